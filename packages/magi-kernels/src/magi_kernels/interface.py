@@ -1,0 +1,171 @@
+"""Public kernel API: ``flex_flash_attn_func`` and its torch.library ops.
+
+Forward and backward are ``torch.library.custom_op`` s with fake (meta) implementations, so the
+kernel works under ``torch.compile`` and autograd on every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from . import reference
+from .lse import merge_out_lse
+from .validation import check_accumulators, check_qkv, check_slices_host, normalize_slices
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "triton")
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _triton_module():
+    try:
+        from . import triton_backend
+    except ImportError as e:  # triton missing or broken
+        logger.debug("triton backend unavailable: %s", e)
+        return None
+    return triton_backend if triton_backend.AVAILABLE else None
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """Pick the backend for these inputs; ``auto`` = triton on CUDA fp16/bf16, else torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    tri = _triton_module()
+    fast_ok = tri is not None and q.is_cuda and q.dtype in _GPU_DTYPES and tri.supports_head_dim(q.shape[-1])
+    if backend == "auto":
+        return "triton" if fast_ok else "torch"
+    if backend == "triton" and not fast_ok:
+        why = (
+            "triton is not installed" if tri is None else
+            "inputs are not on a CUDA device" if not q.is_cuda else
+            f"dtype {q.dtype} is not float16/bfloat16" if q.dtype not in _GPU_DTYPES else
+            f"head_dim {q.shape[-1]} is not supported (use one of {tri.SUPPORTED_HEAD_DIMS})"
+        )
+        raise ValueError(f"backend='triton' cannot run: {why}; use backend='torch' or 'auto'")
+    return backend
+
+
+def _host_slices(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
+    return [(a, b, c, d, t) for (a, b), (c, d), t in zip(qr.tolist(), kr.tolist(), tm.tolist())]
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("magi_kernels::ffa_fwd", mutates_args=())
+def ffa_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        tri = _triton_module()
+        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    return reference.ffa_forward(q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap)
+
+
+@ffa_fwd.register_fake
+def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("magi_kernels::ffa_bwd", mutates_args=())
+def ffa_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor,
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor,
+    softmax_scale: float, softcap: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns fp32 (fp64 for fp64 inputs) dq, dk, dv."""
+    if backend == "triton":
+        tri = _triton_module()
+        return tri.ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    return reference.ffa_backward(
+        do, q, k, v, out, lse, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, dlse
+    )
+
+
+@ffa_bwd.register_fake
+def _(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend):
+    cd = reference.acc_dtype(q.dtype)
+    return q.new_empty(q.shape, dtype=cd), k.new_empty(k.shape, dtype=cd), v.new_empty(v.shape, dtype=cd)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, qr, kr, tm, scale, softcap, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, qr, kr, tm)
+    ctx.scale, ctx.softcap, ctx.backend = scale, softcap, backend
+
+
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+    q, k, v, out, lse, qr, kr, tm = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    dq, dk, dv = ffa_bwd(dout, q, k, v, out, lse, dlse, qr, kr, tm, ctx.scale, ctx.softcap, ctx.backend)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+ffa_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flex_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: Any,
+    k_ranges: Any,
+    attn_type_map: Any = None,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    backend: str = "auto",
+    check_ranges: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a list of slices ``(q_range, k_range, mask_type)``.
+
+    Args:
+        q: ``[total_q, heads_q, head_dim]``; k, v: ``[total_k, heads_kv, head_dim]`` with
+            ``heads_q % heads_kv == 0`` (GQA). Any float dtype on CPU; fp16/bf16 for the GPU kernel.
+        q_ranges, k_ranges: ``[N, 2]`` int32 tensors (or lists / ``AttnRanges``) of half-open
+            ranges in the tensors' own row coordinates. q ranges may overlap; a (q, k) cell must be
+            covered by at most one slice.
+        attn_type_map: ``[N]`` ints (0 full, 1 causal, 2 inv_causal, 3 bi_causal), a list of names,
+            one name for all, or None (all full).
+        softmax_scale: defaults to ``1/sqrt(head_dim)``. softcap: ``> 0`` applies
+            ``softcap * tanh(score / softcap)`` before masking.
+        out, lse: a previous partial result for the same rows over *other* keys; the new result
+            is LSE-merged with it (stages chain this way). They are not modified.
+        backend: ``"auto"``, ``"torch"`` (reference, CPU/GPU) or ``"triton"`` (GPU).
+        check_ranges: validate ranges on the host (a device sync on GPU); disable in hot loops.
+
+    Returns:
+        ``(out, lse)``: out ``[total_q, heads_q, head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
+        in fp32 (fp64 for fp64 inputs), natural log, scale included. Rows that see no key have
+        ``out = 0`` and ``lse = -inf``. Differentiable w.r.t. q, k, v (and out/lse if given).
+    """
+    check_qkv(q, k, v)
+    check_accumulators(out, lse, q)
+    st = normalize_slices(q_ranges, k_ranges, attn_type_map, q.device)
+    if check_ranges:
+        check_slices_host(st.q_ranges.tolist(), st.k_ranges.tolist(), st.attn_type_map.tolist(), q.shape[0], k.shape[0])
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite value >= 0, got {softcap}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    be = resolve_backend(backend, q)
+    o, l = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, float(softcap), be)
+    if out is not None:
+        assert lse is not None
+        o, l = merge_out_lse(out, lse, o, l)
+    return o, l
+

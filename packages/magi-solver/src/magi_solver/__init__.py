@@ -1,0 +1,26 @@
+"""magi-solver: pure-Python planning for distributed attention with arbitrary masks."""
+
+from .comm_plan import GroupCastPlan, GroupReducePlan
+from .dispatch import DispatchConfig, DispatchPlan, auto_chunk_size, compute_pad_size, solve_dispatch
+from .mask import AttnMaskType, AttnSlice, Band, slice_area, total_area, validate_slices
+from .mask_builders import (
+    block_causal_slices,
+    causal_slices,
+    full_slices,
+    shared_prefix_slices,
+    sliding_window_slices,
+    varlen_slices,
+)
+from .overlap import OverlapConfig
+from .planner import DistAttnPlan, RankCalcPlan
+from .ranges import AttnRange, AttnRanges
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "Band", "DispatchConfig", "DispatchPlan",
+    "DistAttnPlan", "GroupCastPlan", "GroupReducePlan", "OverlapConfig", "RankCalcPlan",
+    "auto_chunk_size", "block_causal_slices", "causal_slices", "compute_pad_size", "full_slices",
+    "shared_prefix_slices", "slice_area", "sliding_window_slices", "solve_dispatch", "total_area",
+    "validate_slices", "varlen_slices",
+]

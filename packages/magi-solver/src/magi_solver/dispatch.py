@@ -1,0 +1,171 @@
+"""Dispatch solver: cut the (padded) sequence into chunks and balance mask area over CP ranks.
+
+Every rank gets the same number of chunks, so token-wise layers stay balanced; the min-heap
+greedy assigns the largest remaining chunk to the least-loaded rank that still has room.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .mask import AttnSlice, Band
+from .ranges import AttnRange, AttnRanges
+
+DISPATCH_ALGS = ("min_heap", "sequential")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How to chunk and balance.
+
+    Args:
+        chunk_size: tokens per chunk; ``None`` picks ``ceil(S / (min_chunks_per_rank * cp))``,
+            rounded up to a multiple of 128 (or 16 for small sequences) for kernel tiles.
+        min_chunks_per_rank: used by the automatic chunk size; more chunks balance better.
+        alg: ``"min_heap"`` (balance mask area) or ``"sequential"`` (contiguous shards, no
+            balancing; the baseline).
+    """
+
+    chunk_size: int | None = None
+    min_chunks_per_rank: int = 8
+    alg: str = "min_heap"
+
+    def __post_init__(self) -> None:
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
+            raise ValueError(f"DispatchConfig.chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if not isinstance(self.min_chunks_per_rank, int) or self.min_chunks_per_rank <= 0:
+            raise ValueError(
+                f"DispatchConfig.min_chunks_per_rank must be a positive int, got {self.min_chunks_per_rank!r}"
+            )
+        if self.alg not in DISPATCH_ALGS:
+            raise ValueError(f"DispatchConfig.alg must be one of {DISPATCH_ALGS}, got {self.alg!r}")
+
+
+def auto_chunk_size(total_seqlen: int, cp_size: int, min_chunks_per_rank: int = 8) -> int:
+    raw = max(1, math.ceil(total_seqlen / (min_chunks_per_rank * cp_size)))
+    align = 128 if raw >= 512 else (16 if raw >= 64 else 1)
+    return math.ceil(raw / align) * align
+
+
+def compute_pad_size(total_seqlen: int, cp_size: int, chunk_size: int) -> int:
+    """Tokens to append so the sequence is a multiple of ``chunk_size * cp_size``."""
+    unit = chunk_size * cp_size
+    return (-total_seqlen) % unit
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Result of the dispatch solver.
+
+    ``partitions[r]`` are the chunk ids of rank r, ascending; rank r's local tensor is those
+    chunks concatenated. Padding rows (global index >= ``total_seqlen``) attend to nothing.
+    """
+
+    total_seqlen: int
+    padded_seqlen: int
+    chunk_size: int
+    cp_size: int
+    chunk_areas: tuple[int, ...]
+    partitions: tuple[tuple[int, ...], ...]
+    chunk_bands: tuple[tuple[Band, ...], ...] = field(repr=False)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_areas)
+
+    @property
+    def shard_seqlen(self) -> int:
+        return self.padded_seqlen // self.cp_size
+
+    @property
+    def pad_size(self) -> int:
+        return self.padded_seqlen - self.total_seqlen
+
+    def rank_areas(self) -> list[int]:
+        return [sum(self.chunk_areas[c] for c in part) for part in self.partitions]
+
+    def imbalance(self) -> float:
+        """max / mean of per-rank area (1.0 is perfect)."""
+        areas = self.rank_areas()
+        mean = sum(areas) / len(areas)
+        return max(areas) / mean if mean else 1.0
+
+    def chunk_owner(self) -> list[tuple[int, int]]:
+        """For each chunk: (rank, position of the chunk inside that rank's local tensor)."""
+        owner = [(0, 0)] * self.num_chunks
+        for r, part in enumerate(self.partitions):
+            for i, c in enumerate(part):
+                owner[c] = (r, i)
+        return owner
+
+    def rank_ranges(self, rank: int) -> AttnRanges:
+        cs = self.chunk_size
+        return AttnRanges(AttnRange(c * cs, (c + 1) * cs) for c in self.partitions[rank]).merge()
+
+    def position_ids(self, rank: int) -> list[int]:
+        """Global positions of rank's local tokens, padding clamped to the last valid position."""
+        cs, last = self.chunk_size, max(self.total_seqlen - 1, 0)
+        return [min(t, last) for c in self.partitions[rank] for t in range(c * cs, (c + 1) * cs)]
+
+
+def _chunk_bands(slices: Sequence[AttnSlice], num_chunks: int, chunk_size: int) -> list[list[Band]]:
+    per_chunk: list[list[Band]] = [[] for _ in range(num_chunks)]
+    for s in slices:
+        if s.q_range.is_empty() or s.k_range.is_empty():
+            continue
+        band = s.band()
+        for c in range(s.q_range.start // chunk_size, (s.q_range.end - 1) // chunk_size + 1):
+            clipped = band.clip_q(c * chunk_size, (c + 1) * chunk_size)
+            if clipped is not None and clipped.pieces():
+                per_chunk[c].append(clipped)
+    return per_chunk
+
+
+def _min_heap_partition(areas: Sequence[int], cp_size: int) -> list[list[int]]:
+    per_rank = len(areas) // cp_size
+    order = sorted(range(len(areas)), key=lambda c: (-areas[c], c))
+    heap = [(0, r) for r in range(cp_size)]
+    parts: list[list[int]] = [[] for _ in range(cp_size)]
+    for c in order:
+        load, r = heapq.heappop(heap)
+        parts[r].append(c)
+        if len(parts[r]) < per_rank:
+            heapq.heappush(heap, (load + areas[c], r))
+    return [sorted(p) for p in parts]
+
+
+def solve_dispatch(
+    slices: Sequence[AttnSlice],
+    total_seqlen: int,
+    cp_size: int,
+    config: DispatchConfig = DispatchConfig(),
+) -> DispatchPlan:
+    """Chunk, pad and balance. ``slices`` must already be validated."""
+    if not isinstance(cp_size, int) or cp_size <= 0:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if total_seqlen <= 0:
+        raise ValueError(f"total_seqlen must be positive, got {total_seqlen}")
+    cs = config.chunk_size or auto_chunk_size(total_seqlen, cp_size, config.min_chunks_per_rank)
+    padded = total_seqlen + compute_pad_size(total_seqlen, cp_size, cs)
+    n = padded // cs
+    bands = _chunk_bands(slices, n, cs)
+    areas = [sum(b.area() for b in bs) for bs in bands]
+    if cp_size == 1:
+        parts = [list(range(n))]
+    elif config.alg == "sequential":
+        per = n // cp_size
+        parts = [list(range(r * per, (r + 1) * per)) for r in range(cp_size)]
+    else:
+        parts = _min_heap_partition(areas, cp_size)
+    return DispatchPlan(
+        total_seqlen=total_seqlen,
+        padded_seqlen=padded,
+        chunk_size=cs,
+        cp_size=cp_size,
+        chunk_areas=tuple(areas),
+        partitions=tuple(tuple(p) for p in parts),
+        chunk_bands=tuple(tuple(b) for b in bands),
+    )

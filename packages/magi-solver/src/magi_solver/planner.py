@@ -1,0 +1,255 @@
+"""The distributed attention plan: dispatch + KV communication + overlap stages + kernel slices.
+
+The plan is a pure function of (mask, sizes, configs), so every rank builds the same plan for all
+ranks and no collective is needed to agree on transfer tables. Per-rank kernel slices are built
+lazily, only for the rank that asks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+from .comm_plan import GroupCastPlan, segments_with_destinations
+from .dispatch import DispatchConfig, DispatchPlan, solve_dispatch
+from .mask import AttnSlice, Band, validate_slices
+from .overlap import OverlapConfig, best_degree, group_stages, split_remote, stage_costs
+from .ranges import AttnRange, AttnRanges
+
+SliceTuple = tuple[int, int, int, int, int]  # (q_start, q_end, k_start, k_end, mask_type)
+
+
+@dataclass(frozen=True)
+class RankCalcPlan:
+    """Kernel arguments of one rank: q in local-shard coordinates, k in the coordinates of the
+    buffer of that stage (host = local shard, stage s = that stage's receive buffer)."""
+
+    host: tuple[SliceTuple, ...]
+    stages: tuple[tuple[SliceTuple, ...], ...]
+    host_area: int
+    stage_areas: tuple[int, ...]
+    stage_kv_seqlens: tuple[int, ...]
+
+    def merged(self, shard_seqlen: int) -> tuple[SliceTuple, ...]:
+        """All slices over ``cat([local KV] + stage receive buffers)`` (no-overlap mode)."""
+        out = list(self.host)
+        offset = shard_seqlen
+        for stage, size in zip(self.stages, self.stage_kv_seqlens):
+            out.extend((a, b, c + offset, d + offset, t) for a, b, c, d, t in stage)
+            offset += size
+        return tuple(out)
+
+
+class DistAttnPlan:
+    """Everything every rank needs to run distributed attention for one mask."""
+
+    def __init__(
+        self,
+        slices: Sequence[AttnSlice],
+        total_seqlen: int,
+        cp_size: int,
+        *,
+        num_heads_q: int = 1,
+        num_heads_kv: int = 1,
+        head_dim: int = 128,
+        dispatch_config: DispatchConfig = DispatchConfig(),
+        overlap_config: OverlapConfig = OverlapConfig(),
+        validate: bool = True,
+    ):
+        if validate:
+            validate_slices(slices, total_seqlen, total_seqlen)
+        self.slices = tuple(slices)
+        self.cp_size = cp_size
+        self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
+        self.overlap_config = overlap_config
+        self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen, cp_size, dispatch_config)
+        d = self.dispatch
+        self.chunk_owner = d.chunk_owner()
+        self.host_ranges = [d.rank_ranges(r) for r in range(cp_size)]
+        self.remote_ranges = [self._needed_k(r).subtract(self.host_ranges[r]) for r in range(cp_size)]
+        self.stage_ranges = self._plan_stages()  # [stage][rank] -> merged global ranges
+        self._cast_cache: dict[tuple[int, int], GroupCastPlan] = {}
+        self._calc_cache: dict[int, RankCalcPlan] = {}
+
+    # -- KV needs ------------------------------------------------------------------------------
+    def _rank_bands(self, rank: int) -> list[tuple[int, Band]]:
+        """(local q offset delta, global band) of every band of the rank's chunks."""
+        cs = self.dispatch.chunk_size
+        out = []
+        for pos, c in enumerate(self.dispatch.partitions[rank]):
+            dq = (c - pos) * cs
+            out.extend((dq, b) for b in self.dispatch.chunk_bands[c])
+        return out
+
+    def _needed_k(self, rank: int) -> AttnRanges:
+        ext = [b.k_extent() for _, b in self._rank_bands(rank)]
+        return AttnRanges(AttnRange(*e) for e in ext if e is not None).merge()
+
+    # -- overlap stages ------------------------------------------------------------------------
+    def _chunk_costs(self, rank: int, chunks: list[AttnRanges]) -> tuple[float, list[float], list[float]]:
+        cfg = self.overlap_config
+        flop_per_cell = 4.0 * self.num_heads_q * self.head_dim
+        byte_per_token = 2.0 * self.num_heads_kv * self.head_dim * 2  # K and V in 16-bit
+        to_s_calc = flop_per_cell / (cfg.compute_tflops * 1e12)
+        to_s_comm = byte_per_token / (cfg.comm_gbps * 1e9)
+        flat = [(r, i) for i, ch in enumerate(chunks) for r in ch]
+        starts = [r.start for r, _ in flat]
+        calc = [0.0] * len(chunks)
+        bands = self._rank_bands(rank)
+        for _, b in bands:
+            ext = b.k_extent()
+            if ext is None:
+                continue
+            j = max(bisect.bisect_right(starts, ext[0]) - 1, 0)
+            while j < len(flat) and flat[j][0].start < ext[1]:
+                r, i = flat[j]
+                clipped = b.clip_k(r.start, r.end)
+                if clipped is not None:
+                    calc[i] += clipped.area() * to_s_calc
+                j += 1
+        host_area = sum(self._area_over(bands, self.host_ranges[rank]))
+        comm = [ch.total_seqlen * to_s_comm for ch in chunks]
+        return host_area * to_s_calc, calc, comm
+
+    @staticmethod
+    def _area_over(bands: list[tuple[int, Band]], ranges: AttnRanges) -> list[int]:
+        out = []
+        for _, b in bands:
+            for r in ranges:
+                c = b.clip_k(r.start, r.end)
+                if c is not None:
+                    out.append(c.area())
+        return out
+
+    def _plan_stages(self) -> list[list[AttnRanges]]:
+        if self.cp_size == 1:
+            return []
+        cfg = self.overlap_config
+        if cfg.degree in (0, 1):
+            return [[r for r in self.remote_ranges]]
+        per_rank_chunks = [split_remote(rr, cfg.min_chunk_size, cfg.max_num_chunks) for rr in self.remote_ranges]
+        costs = [self._chunk_costs(r, ch) for r, ch in enumerate(per_rank_chunks)]
+        if cfg.degree is None:
+            degree = max(best_degree(h, cl, cm, cfg.dynamic_max_degree) for h, cl, cm in costs)
+        else:
+            degree = cfg.degree
+        stages: list[list[AttnRanges]] = [[AttnRanges() for _ in range(self.cp_size)] for _ in range(degree)]
+        for r, (chunks, (_, calc, comm)) in enumerate(zip(per_rank_chunks, costs)):
+            for s, group in enumerate(group_stages(calc, comm, degree)):
+                stages[s][r] = AttnRanges(x for i in group for x in chunks[i]).merge()
+        return stages
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranges)
+
+    def stage_cost_summary(self, rank: int) -> dict[str, object]:
+        chunks = [self.stage_ranges[s][rank] for s in range(self.num_stages)]
+        host, calc, comm = self._chunk_costs(rank, chunks)
+        return {"host_calc_s": host, "stage_calc_s": calc, "stage_comm_s": comm}
+
+    # -- communication -------------------------------------------------------------------------
+    def _to_local(self, rank: int, r: AttnRange) -> AttnRange:
+        cs = self.dispatch.chunk_size
+        c = r.start // cs
+        owner, pos = self.chunk_owner[c]
+        if owner != rank:
+            raise AssertionError(f"{r} is not held by rank {rank}")
+        return r.offset((pos - c) * cs)
+
+    def cast_plan(self, stage: int, rank: int) -> GroupCastPlan:
+        """GroupCast of KV for ``stage`` as seen by ``rank`` (input: its local shard; output:
+        its receive buffer of that stage). ``.transpose()`` is the dK/dV GroupReduce."""
+        key = (stage, rank)
+        if key not in self._cast_cache:
+            self._cast_cache[key] = self._build_cast_plan(stage, rank)
+        return self._cast_cache[key]
+
+    def _build_cast_plan(self, stage: int, rank: int) -> GroupCastPlan:
+        cs = self.dispatch.chunk_size
+        host = self.host_ranges[rank]
+        pieces: list[tuple[int, int, int]] = []
+        for dst in range(self.cp_size):
+            if dst == rank:
+                continue
+            for g in self.stage_ranges[stage][dst].intersect(host):
+                loc = self._to_local(rank, g)
+                pieces.append((loc.start, loc.end, dst))
+        in_sizes, dsts = segments_with_destinations(self.dispatch.shard_seqlen, pieces)
+        out_sizes: list[int] = []
+        src: list[int] = []
+        for r in self.stage_ranges[stage][rank]:
+            t = r.start
+            while t < r.end:
+                e = min(r.end, (t // cs + 1) * cs)
+                owner = self.chunk_owner[t // cs][0]
+                if src and src[-1] == owner:
+                    out_sizes[-1] += e - t
+                else:
+                    out_sizes.append(e - t)
+                    src.append(owner)
+                t = e
+        return GroupCastPlan(tuple(in_sizes), tuple(dsts), tuple(out_sizes), tuple(src))
+
+    def recv_seqlen(self, stage: int, rank: int) -> int:
+        return self.stage_ranges[stage][rank].total_seqlen
+
+    def comm_rows(self) -> list[int]:
+        """Rows each rank receives over all stages (= KV tokens it is missing)."""
+        return [rr.total_seqlen for rr in self.remote_ranges]
+
+    # -- kernel slices -------------------------------------------------------------------------
+    @staticmethod
+    def _slices_over(bands: list[tuple[int, Band]], ranges: AttnRanges) -> tuple[list[SliceTuple], int]:
+        offsets = ranges.local_offsets()
+        starts = [r.start for r in ranges]
+        out: list[SliceTuple] = []
+        area = 0
+        for dq, b in bands:
+            ext = b.k_extent()
+            if ext is None:
+                continue
+            j = max(bisect.bisect_right(starts, ext[0]) - 1, 0)
+            while j < len(starts) and starts[j] < ext[1]:
+                r = ranges[j]
+                clipped = b.clip_k(r.start, r.end)
+                if clipped is not None:
+                    local = clipped.shift(dq, r.start - offsets[j])
+                    area += local.area()
+                    out.extend(s.to_tuple() for s in local.to_slices())
+                j += 1
+        return out, area
+
+    def calc_plan(self, rank: int) -> RankCalcPlan:
+        """Kernel slices of ``rank`` for the host stage and every remote stage."""
+        if rank not in self._calc_cache:
+            self._calc_cache[rank] = self._build_calc_plan(rank)
+        return self._calc_cache[rank]
+
+    def _build_calc_plan(self, rank: int) -> RankCalcPlan:
+        bands = self._rank_bands(rank)
+        host, host_area = self._slices_over(bands, self.host_ranges[rank])
+        stages, areas = [], []
+        for s in range(self.num_stages):
+            sl, a = self._slices_over(bands, self.stage_ranges[s][rank])
+            stages.append(tuple(sl))
+            areas.append(a)
+        return RankCalcPlan(
+            tuple(host), tuple(stages), host_area, tuple(areas),
+            tuple(self.recv_seqlen(s, rank) for s in range(self.num_stages)),
+        )
+
+    def summary(self) -> dict[str, object]:
+        d = self.dispatch
+        return {
+            "total_seqlen": d.total_seqlen,
+            "padded_seqlen": d.padded_seqlen,
+            "chunk_size": d.chunk_size,
+            "num_chunks": d.num_chunks,
+            "cp_size": self.cp_size,
+            "rank_areas": d.rank_areas(),
+            "imbalance": round(d.imbalance(), 4),
+            "remote_kv_rows": self.comm_rows(),
+            "num_stages": self.num_stages,
+        }
