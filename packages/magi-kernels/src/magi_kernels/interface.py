@@ -62,17 +62,21 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 def ffa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor,
-    softmax_scale: float, softcap: float, backend: str,
+    softmax_scale: float, softcap: float, backend: str, acc_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (q's dtype, or the fp32/fp64 accumulator dtype with ``acc_out``) and lse."""
     if backend == "triton":
         tri = _triton_module()
-        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
-    return reference.ffa_forward(q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap)
+        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out)
+    return reference.ffa_forward(
+        q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, acc_out
+    )
 
 
 @ffa_fwd.register_fake
-def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
+def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False):
+    out_dtype = reference.acc_dtype(q.dtype) if acc_out else q.dtype
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("magi_kernels::ffa_bwd", mutates_args=())
@@ -98,7 +102,7 @@ def _(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_sc
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, qr, kr, tm, scale, softcap, backend = inputs
+    q, k, v, qr, kr, tm, scale, softcap, backend, *_ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, qr, kr, tm)
     ctx.scale, ctx.softcap, ctx.backend = scale, softcap, backend
@@ -111,7 +115,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     if dlse is None:
         dlse = torch.zeros_like(lse)
     dq, dk, dv = ffa_bwd(dout, q, k, v, out, lse, dlse, qr, kr, tm, ctx.scale, ctx.softcap, ctx.backend)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 ffa_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -66,8 +66,10 @@ def ffa_forward(
     slices: list[tuple[int, int, int, int, int]],
     softmax_scale: float,
     softcap: float = 0.0,
+    acc_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out [tq, hq, d]`` (q.dtype) and ``lse [tq, hq]`` (fp32, fp64 for fp64 input)."""
+    """Returns ``out [tq, hq, d]`` (q.dtype, or the accumulator dtype with ``acc_out``) and
+    ``lse [tq, hq]`` (fp32, fp64 for fp64 input)."""
     tq, hq, d = q.shape
     hk = k.shape[1]
     cd = acc_dtype(q.dtype)
@@ -83,7 +85,7 @@ def ffa_forward(
             o = torch.einsum("hgqk,khd->qhgd", p, vc[k0:k1]).reshape(b - a, hq, d)
             blk_lse = blk_lse.permute(2, 0, 1).reshape(b - a, hq)
             out[a:b], lse[a:b] = merge_out_lse(out[a:b], lse[a:b], o, blk_lse)
-    return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return (out if acc_out else out.to(q.dtype)), lse
 
 
 def ffa_backward(

@@ -1,0 +1,40 @@
+"""magi-attn: context-parallel attention with arbitrary masks.
+
+Typical use::
+
+    key = magi_attn_varlen_key(cu_seqlens, cu_seqlens, hq, hk, d, cp_group, causal=True)
+    q, k, v = (dispatch(t, key) for t in (q, k, v))  # this rank's tokens
+    out, lse = calc_attn(q, k, v, key)
+    out = undispatch(out, key)                         # back to global order
+"""
+
+import logging
+import os
+
+from magi_kernels import flex_flash_attn_func
+from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig, compute_pad_size
+
+from .api import (
+    DistAttnKey,
+    calc_attn,
+    clear_cache,
+    dispatch,
+    get_most_recent_key,
+    get_position_ids,
+    magi_attn_flex_key,
+    magi_attn_varlen_key,
+    undispatch,
+)
+from .config import DistAttnConfig
+
+__version__ = "0.1.0"
+
+_level = os.environ.get("MAGI_LOG_LEVEL")
+if _level:
+    logging.getLogger("magi_attn").setLevel(_level.upper())
+
+__all__ = [
+    "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "DispatchConfig", "DistAttnConfig", "DistAttnKey",
+    "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
+    "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_varlen_key", "undispatch",
+]

@@ -1,0 +1,259 @@
+"""Top-level API: build a key for a mask, dispatch tokens, run attention, undispatch."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from magi_comm import all_gather_rows
+from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
+from magi_solver.ranges import AttnRange
+
+from .config import DistAttnConfig
+from .dist_attn import DistAttnFunction
+from .runtime import DistAttnRuntime
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 64
+_RUNTIMES: "OrderedDict[tuple, DistAttnRuntime]" = OrderedDict()
+_MOST_RECENT: dict[int, "DistAttnKey"] = {}
+
+
+@dataclass(frozen=True)
+class DistAttnKey:
+    """Hashable handle of one mask's plan on one CP group (the runtime is cached behind it)."""
+
+    slices: tuple[tuple[int, int, int, int, int], ...]
+    total_seqlen: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    cp_size: int
+    cp_rank: int
+    config: DistAttnConfig
+    group: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def runtime(self) -> DistAttnRuntime:
+        return _get_runtime(self)
+
+    @property
+    def shard_seqlen(self) -> int:
+        return self.runtime.shard_seqlen
+
+
+def _cache_id(key: DistAttnKey) -> tuple:
+    return (key, id(key.group))
+
+
+def _get_runtime(key: DistAttnKey) -> DistAttnRuntime:
+    cid = _cache_id(key)
+    rt = _RUNTIMES.get(cid)
+    if rt is None:
+        slices = [AttnSlice(AttnRange(a, b), AttnRange(c, d), AttnMaskType(t)) for a, b, c, d, t in key.slices]
+        plan = DistAttnPlan(
+            slices, key.total_seqlen, key.cp_size,
+            num_heads_q=key.num_heads_q, num_heads_kv=key.num_heads_kv, head_dim=key.head_dim,
+            dispatch_config=key.config.dispatch, overlap_config=key.config.overlap,
+        )
+        rt = DistAttnRuntime(plan, key.cp_rank, key.group, key.config)
+        _RUNTIMES[cid] = rt
+        while len(_RUNTIMES) > _CACHE_SIZE:
+            _RUNTIMES.popitem(last=False)
+    else:
+        _RUNTIMES.move_to_end(cid)
+    return rt
+
+
+def clear_cache() -> None:
+    _RUNTIMES.clear()
+    _MOST_RECENT.clear()
+
+
+def _group_info(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if cp_group is None:
+        return 1, 0
+    if not dist.is_initialized():
+        raise RuntimeError("cp_group was given but torch.distributed is not initialized; call init_process_group first")
+    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def _as_slices(q_ranges: Any, k_ranges: Any, attn_mask_type: Any) -> list[AttnSlice]:
+    def rng(r):
+        return r if isinstance(r, AttnRange) else AttnRange(int(r[0]), int(r[1]))
+
+    qs, ks = [rng(r) for r in q_ranges], [rng(r) for r in k_ranges]
+    if len(qs) != len(ks):
+        raise ValueError(f"q_ranges has {len(qs)} entries but k_ranges has {len(ks)}; they must match")
+    if isinstance(attn_mask_type, (str, int, AttnMaskType)):
+        types = [AttnMaskType.parse(attn_mask_type)] * len(qs)
+    else:
+        types = [AttnMaskType.parse(t) for t in attn_mask_type]
+        if len(types) != len(qs):
+            raise ValueError(f"attn_mask_type has {len(types)} entries but there are {len(qs)} slices")
+    return [AttnSlice(q, k, t) for q, k, t in zip(qs, ks, types)]
+
+
+def magi_attn_flex_key(
+    q_ranges: Sequence,
+    k_ranges: Sequence,
+    attn_mask_type: Any,
+    total_seqlen_q: int,
+    total_seqlen_k: int,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    cp_group: dist.ProcessGroup | None = None,
+    dist_attn_config: DistAttnConfig = DistAttnConfig(),
+) -> DistAttnKey:
+    """Plan distributed attention for an arbitrary mask given as slices in global coordinates.
+
+    ``cp_group=None`` means a single rank (no communication, no process group needed). The plan
+    is built (and cached) on first use; every rank of the group builds the same plan.
+    """
+    if total_seqlen_q != total_seqlen_k:
+        raise NotImplementedError(
+            f"only self-attention is supported (total_seqlen_q={total_seqlen_q} != total_seqlen_k={total_seqlen_k})"
+        )
+    for name, val in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    if not isinstance(dist_attn_config, DistAttnConfig):
+        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
+    slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
+    cp_size, cp_rank = _group_info(cp_group)
+    key = DistAttnKey(
+        tuple(s.to_tuple() for s in slices), int(total_seqlen_q), num_heads_q, num_heads_kv, head_dim,
+        cp_size, cp_rank, dist_attn_config, cp_group,
+    )
+    _get_runtime(key)  # plan now: validation errors surface here, not inside the model
+    _MOST_RECENT[id(cp_group)] = key
+    return key
+
+
+def magi_attn_varlen_key(
+    cu_seqlens_q: Sequence[int],
+    cu_seqlens_k: Sequence[int],
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    cp_group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    dist_attn_config: DistAttnConfig = DistAttnConfig(),
+) -> DistAttnKey:
+    """Key for packed documents given by ``cu_seqlens`` (full, causal or sliding window)."""
+    cu_q = [int(x) for x in (cu_seqlens_q.tolist() if hasattr(cu_seqlens_q, "tolist") else cu_seqlens_q)]
+    cu_k = [int(x) for x in (cu_seqlens_k.tolist() if hasattr(cu_seqlens_k, "tolist") else cu_seqlens_k)]
+    slices = varlen_slices(cu_q, cu_k, causal=causal, window_size=window_size)
+    return magi_attn_flex_key(
+        [s.q_range for s in slices], [s.k_range for s in slices], [s.mask_type for s in slices],
+        cu_q[-1], cu_k[-1], num_heads_q, num_heads_kv, head_dim, cp_group, dist_attn_config,
+    )
+
+
+def get_most_recent_key(cp_group: dist.ProcessGroup | None = None) -> DistAttnKey:
+    if id(cp_group) not in _MOST_RECENT:
+        raise KeyError("no key was made for this cp_group yet; call magi_attn_flex_key / magi_attn_varlen_key first")
+    return _MOST_RECENT[id(cp_group)]
+
+
+def get_position_ids(key: DistAttnKey) -> torch.Tensor:
+    """Global positions of this rank's dispatched tokens (for RoPE); padding gets the last one."""
+    return key.runtime.position_ids.clone()
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rt: DistAttnRuntime, pad_value: float):
+        ctx.rt = rt
+        pad = rt.padded_seqlen - x.shape[0]
+        if pad:
+            x = torch.cat([x, x.new_full((pad, *x.shape[1:]), pad_value)], dim=0)
+        return x.index_select(0, rt.local_index.to(x.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        rt = ctx.rt
+        full = _gather_unpermute(grad.contiguous(), rt)
+        return full[: rt.total_seqlen], None, None
+
+
+def _gather_unpermute(x_local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
+    gathered = all_gather_rows(x_local, rt.group)
+    out = torch.empty_like(gathered)
+    out.index_copy_(0, rt.perm.to(x_local.device), gathered)
+    return out
+
+
+class _Undispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, rt: DistAttnRuntime):
+        ctx.rt = rt
+        return _gather_unpermute(x_local.contiguous(), rt)[: rt.total_seqlen]
+
+    @staticmethod
+    def backward(ctx, grad):
+        rt = ctx.rt
+        pad = rt.padded_seqlen - grad.shape[0]
+        if pad:
+            grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
+        return grad.index_select(0, rt.local_index.to(grad.device)), None
+
+
+def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch.Tensor:
+    """This rank's tokens of a global sequence-major tensor ``[total_seqlen, ...]`` (the same on
+    every rank), padded and permuted as planned. Backward all-gathers the gradient."""
+    if x.shape[0] != key.total_seqlen:
+        raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen), got {x.shape[0]}")
+    return _Dispatch.apply(x, key.runtime, pad_value)
+
+
+def undispatch(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
+    """Inverse of :func:`dispatch`: gather every rank's shard and restore global order (unpadded)."""
+    rt = key.runtime
+    if x_local.shape[0] != rt.shard_seqlen:
+        raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (shard_seqlen), got {x_local.shape[0]}")
+    return _Undispatch.apply(x_local, rt)
+
+
+def calc_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key: DistAttnKey,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distributed attention on dispatched ``q [shard, hq, d]``, ``k, v [shard, hk, d]``.
+
+    Returns local ``out`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs). Differentiable
+    w.r.t. q, k, v; the backward runs the same multi-stage pipeline with GroupReduce of dK/dV.
+    """
+    from magi_kernels import resolve_backend
+    from magi_kernels.validation import check_qkv
+
+    check_qkv(q, k, v)
+    rt = key.runtime
+    expect_q = (rt.shard_seqlen, key.num_heads_q, key.head_dim)
+    expect_k = (rt.shard_seqlen, key.num_heads_kv, key.head_dim)
+    if tuple(q.shape) != expect_q:
+        raise ValueError(f"q must be [shard_seqlen, num_heads_q, head_dim]={expect_q} for this key, got {tuple(q.shape)}")
+    if tuple(k.shape) != expect_k:
+        raise ValueError(f"k, v must be [shard_seqlen, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite value >= 0, got {softcap}")
+    scale = 1.0 / math.sqrt(key.head_dim) if softmax_scale is None else float(softmax_scale)
+    backend = resolve_backend(key.config.kernel_backend, q)
+    return DistAttnFunction.apply(q, k, v, rt, scale, float(softcap), backend)

@@ -1,0 +1,33 @@
+"""Typed, validated configuration of distributed attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from magi_kernels import BACKENDS
+from magi_solver import DispatchConfig, OverlapConfig
+
+__all__ = ["DistAttnConfig", "DispatchConfig", "OverlapConfig"]
+
+
+@dataclass(frozen=True)
+class DistAttnConfig:
+    """Everything that shapes a distributed attention plan and its execution.
+
+    Args:
+        dispatch: chunking and load balancing (:class:`magi_solver.DispatchConfig`).
+        overlap: multi-stage overlap of GroupCast with attention (:class:`magi_solver.OverlapConfig`).
+        kernel_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``magi_kernels``).
+    """
+
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    kernel_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dispatch, DispatchConfig):
+            raise TypeError(f"DistAttnConfig.dispatch must be a DispatchConfig, got {type(self.dispatch).__name__}")
+        if not isinstance(self.overlap, OverlapConfig):
+            raise TypeError(f"DistAttnConfig.overlap must be an OverlapConfig, got {type(self.overlap).__name__}")
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"DistAttnConfig.kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")

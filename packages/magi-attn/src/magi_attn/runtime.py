@@ -1,0 +1,75 @@
+"""Per-rank runtime of one plan: index tensors, kernel slice tensors and collective plans."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from magi_solver import DistAttnPlan, GroupCastPlan, GroupReducePlan
+
+from .config import DistAttnConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SliceArgs:
+    """Kernel slice metadata on one device."""
+
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    attn_type_map: torch.Tensor
+    area: int
+
+    @classmethod
+    def build(cls, slices, area: int, device: torch.device) -> "SliceArgs":
+        t = torch.tensor(list(slices), dtype=torch.int32).reshape(-1, 5)
+        return cls(t[:, 0:2].contiguous().to(device), t[:, 2:4].contiguous().to(device),
+                   t[:, 4].contiguous().to(device), area)
+
+    @property
+    def empty(self) -> bool:
+        return self.q_ranges.shape[0] == 0
+
+
+class DistAttnRuntime:
+    """What one rank needs at run time; built once per key and cached."""
+
+    def __init__(self, plan: DistAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig):
+        self.plan, self.rank, self.group, self.config = plan, rank, group, config
+        d = plan.dispatch
+        cs = d.chunk_size
+        self.shard_seqlen = d.shard_seqlen
+        self.total_seqlen = d.total_seqlen
+        self.padded_seqlen = d.padded_seqlen
+        chunk_rows = torch.arange(cs, dtype=torch.long)
+        per_rank = [
+            (torch.tensor(part, dtype=torch.long)[:, None] * cs + chunk_rows[None, :]).reshape(-1)
+            for part in d.partitions
+        ]
+        self.local_index = per_rank[rank]  # global padded row of each local row
+        self.perm = torch.cat(per_rank)  # dispatched order (rank-major) -> global padded row
+        self.position_ids = self.local_index.clamp(max=max(d.total_seqlen - 1, 0))
+        calc = plan.calc_plan(rank)
+        self.calc = calc
+        self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]
+        self.reduce_plans: list[GroupReducePlan] = [p.transpose() for p in self.cast_plans]
+        self._device_args: dict[torch.device, tuple[SliceArgs, list[SliceArgs], SliceArgs]] = {}
+        logger.debug("rank %d runtime: %s", rank, plan.summary())
+
+    @property
+    def no_overlap(self) -> bool:
+        return self.config.overlap.degree == 0
+
+    def slice_args(self, device: torch.device) -> tuple[SliceArgs, list[SliceArgs], SliceArgs]:
+        """(host args, per-stage args, merged args over cat(local, remote KV)) on ``device``."""
+        if device not in self._device_args:
+            c = self.calc
+            host = SliceArgs.build(c.host, c.host_area, device)
+            stages = [SliceArgs.build(s, a, device) for s, a in zip(c.stages, c.stage_areas)]
+            merged = SliceArgs.build(c.merged(self.shard_seqlen), c.host_area + sum(c.stage_areas), device)
+            self._device_args[device] = (host, stages, merged)
+        return self._device_args[device]

@@ -1,0 +1,20 @@
+"""magi-comm: GroupCast / GroupReduce collectives for distributed attention."""
+
+from .group_collective import (
+    REDUCE_OPS,
+    A2AIndexPlan,
+    PendingCollective,
+    all_gather_rows,
+    cast_index_plan,
+    group_cast,
+    group_reduce,
+    lse_scatter_merge,
+    reduce_index_plan,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "A2AIndexPlan", "PendingCollective", "all_gather_rows", "REDUCE_OPS", "cast_index_plan", "group_cast", "group_reduce",
+    "lse_scatter_merge", "reduce_index_plan",
+]

@@ -1,0 +1,261 @@
+"""GroupCast and GroupReduce over ``torch.distributed.all_to_all_single``.
+
+Works on gloo (CPU) and NCCL (GPU). The split-level arguments are turned once into row index
+tensors (a gather before the all-to-all, a scatter or scatter-reduce after it), cached per
+argument set.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+REDUCE_OPS = ("sum", "lse")
+
+
+@dataclass(frozen=True)
+class A2AIndexPlan:
+    """Row-level form of a group collective for one rank.
+
+    ``send_rows`` (grouped by destination rank, in rank order) are gathered from the input and
+    sent with ``send_counts``; received rows (grouped by source) land at ``recv_rows`` of the
+    output. ``recv_rows`` may repeat (reduce)."""
+
+    send_rows: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_rows: torch.Tensor
+    recv_counts: tuple[int, ...]
+
+
+def _split_offsets(sizes: Sequence[int]) -> list[int]:
+    offs, pos = [], 0
+    for s in sizes:
+        offs.append(pos)
+        pos += s
+    return offs
+
+
+def _rows(pairs: list[tuple[int, int]]) -> torch.Tensor:
+    if not pairs:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(o, o + n, dtype=torch.long) for o, n in pairs])
+
+
+def _check_ranks(ranks: Sequence[int], world: int, name: str) -> None:
+    for r in ranks:
+        if not 0 <= r < world:
+            raise ValueError(f"{name} names rank {r}, but the group has {world} ranks")
+
+
+@functools.lru_cache(maxsize=4096)
+def cast_index_plan(
+    input_split_sizes: tuple[int, ...],
+    dst_indices: tuple[tuple[int, ...], ...],
+    output_split_sizes: tuple[int, ...],
+    src_index: tuple[int, ...],
+    world: int,
+) -> A2AIndexPlan:
+    if len(input_split_sizes) != len(dst_indices):
+        raise ValueError("input_split_sizes and dst_indices must have the same length")
+    if len(output_split_sizes) != len(src_index):
+        raise ValueError("output_split_sizes and src_index must have the same length")
+    for d in dst_indices:
+        _check_ranks(d, world, "dst_indices")
+    _check_ranks(src_index, world, "src_index")
+    in_off, out_off = _split_offsets(input_split_sizes), _split_offsets(output_split_sizes)
+    send, send_counts = [], []
+    for dst in range(world):
+        pairs = [(o, n) for o, n, d in zip(in_off, input_split_sizes, dst_indices) if dst in d and n]
+        send.extend(pairs)
+        send_counts.append(sum(n for _, n in pairs))
+    recv, recv_counts = [], []
+    for src in range(world):
+        pairs = [(o, n) for o, n, s in zip(out_off, output_split_sizes, src_index) if s == src and n]
+        recv.extend(pairs)
+        recv_counts.append(sum(n for _, n in pairs))
+    return A2AIndexPlan(_rows(send), tuple(send_counts), _rows(recv), tuple(recv_counts))
+
+
+@functools.lru_cache(maxsize=4096)
+def reduce_index_plan(
+    input_split_sizes: tuple[int, ...],
+    dst_index: tuple[int, ...],
+    output_split_sizes: tuple[int, ...],
+    src_indices: tuple[tuple[int, ...], ...],
+    world: int,
+) -> A2AIndexPlan:
+    # the exact transpose of a cast: reuse its construction with the roles swapped
+    cast = cast_index_plan(output_split_sizes, src_indices, input_split_sizes, dst_index, world)
+    return A2AIndexPlan(cast.recv_rows, cast.recv_counts, cast.send_rows, cast.send_counts)
+
+
+def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _wire_view(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """gloo has no bf16/fp16 reductions and patchy 16-bit support: ship 16-bit floats as int16
+    bits (exact, no arithmetic happens on the wire)."""
+    if t.dtype in (torch.float16, torch.bfloat16) and dist.get_backend(group) == "gloo":
+        return t.view(torch.int16)
+    return t
+
+
+class PendingCollective:
+    """Handle of an asynchronous group collective; ``wait()`` finishes it and returns the output."""
+
+    def __init__(self, works: list, finish):
+        self._works, self._finish, self._result = works, finish, None
+
+    def wait(self):
+        if self._finish is not None:
+            for w in self._works:
+                w.wait()
+            self._result = self._finish()
+            self._finish = None
+        return self._result
+
+
+def _exchange(
+    tensors: list[torch.Tensor], plan: A2AIndexPlan, group: dist.ProcessGroup | None, world: int
+) -> tuple[list[torch.Tensor], list]:
+    """Gather send rows of each tensor and start the all-to-alls; returns receive buffers."""
+    recv_total = sum(plan.recv_counts)
+    bufs, works = [], []
+    for t in tensors:
+        send = t.index_select(0, plan.send_rows.to(t.device))
+        recv = t.new_empty((recv_total, *t.shape[1:]))
+        if world == 1:
+            recv.copy_(send)
+        else:
+            w = dist.all_to_all_single(
+                _wire_view(recv, group), _wire_view(send.contiguous(), group),
+                output_split_sizes=list(plan.recv_counts), input_split_sizes=list(plan.send_counts),
+                group=group, async_op=True,
+            )
+            works.append(w)
+        bufs.append(recv)
+    return bufs, works
+
+
+def group_cast(
+    input: torch.Tensor,
+    *,
+    input_split_sizes: Sequence[int],
+    output_split_sizes: Sequence[int],
+    dst_indices: Sequence[Sequence[int]],
+    src_index: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    output: torch.Tensor | None = None,
+    async_op: bool = False,
+):
+    """Copy input split ``i`` to every rank in ``dst_indices[i]``; output split ``j`` comes from
+    rank ``src_index[j]`` (stable order per source). Dim 0 is split; other dims must match.
+
+    Returns the output tensor (written in place when ``output`` is given), or a
+    :class:`PendingCollective` with ``async_op=True``.
+    """
+    world, _ = _world_and_rank(group)
+    if sum(input_split_sizes) != input.shape[0]:
+        raise ValueError(f"input_split_sizes sum to {sum(input_split_sizes)} but input has {input.shape[0]} rows")
+    plan = cast_index_plan(
+        tuple(int(x) for x in input_split_sizes), tuple(tuple(int(r) for r in d) for d in dst_indices),
+        tuple(int(x) for x in output_split_sizes), tuple(int(x) for x in src_index), world,
+    )
+    n_out = sum(output_split_sizes)
+    if output is None:
+        output = input.new_zeros((n_out, *input.shape[1:]))
+    elif output.shape != (n_out, *input.shape[1:]):
+        raise ValueError(f"output must have shape {(n_out, *input.shape[1:])}, got {tuple(output.shape)}")
+    (recv,), works = _exchange([input], plan, group, world)
+
+    def finish():
+        output.index_copy_(0, plan.recv_rows.to(output.device), recv)
+        return output
+
+    pending = PendingCollective(works, finish)
+    return pending if async_op else pending.wait()
+
+
+def lse_scatter_merge(
+    out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """In place: merge partial results ``part_*`` into rows ``rows`` of ``out``/``lse`` with the
+    online-softmax rule; a row may receive several partials."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse_acc, part_lse = lse.to(acc), part_lse.to(acc)
+    m = lse_acc.clone().index_reduce_(0, rows, part_lse, "amax", include_self=True)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_self = torch.exp(lse_acc - safe)
+    w_part = torch.exp(part_lse - safe.index_select(0, rows))
+    den = w_self.clone().index_add_(0, rows, w_part)
+    num = (out.to(acc) * w_self.unsqueeze(-1)).index_add_(0, rows, part_out.to(acc) * w_part.unsqueeze(-1))
+    ok = den > 0
+    out.copy_(torch.where(ok.unsqueeze(-1), num / torch.where(ok, den, 1).unsqueeze(-1), 0).to(out.dtype))
+    lse.copy_(torch.where(ok, safe + torch.log(torch.where(ok, den, 1)), float("-inf")).to(lse.dtype))
+
+
+def group_reduce(
+    input: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    input_split_sizes: Sequence[int],
+    output_split_sizes: Sequence[int],
+    dst_index: Sequence[int],
+    src_indices: Sequence[Sequence[int]],
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    input_lse: torch.Tensor | None = None,
+    output_lse: torch.Tensor | None = None,
+    async_op: bool = False,
+):
+    """Send input split ``i`` to rank ``dst_index[i]``; output split ``j`` is reduced *in place*
+    (accumulated onto ``output``) from the partials of every rank in ``src_indices[j]``.
+
+    ``op="sum"`` adds; ``op="lse"`` merges partial attention outputs with their LSEs
+    (``input_lse``/``output_lse`` ``[rows, heads]``; ``output_lse`` is updated in place too).
+    Returns ``output`` or a :class:`PendingCollective`.
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    if op == "lse" and (input_lse is None or output_lse is None):
+        raise ValueError("op='lse' needs input_lse and output_lse")
+    world, _ = _world_and_rank(group)
+    if sum(input_split_sizes) != input.shape[0]:
+        raise ValueError(f"input_split_sizes sum to {sum(input_split_sizes)} but input has {input.shape[0]} rows")
+    if sum(output_split_sizes) != output.shape[0]:
+        raise ValueError(f"output_split_sizes sum to {sum(output_split_sizes)} but output has {output.shape[0]} rows")
+    plan = reduce_index_plan(
+        tuple(int(x) for x in input_split_sizes), tuple(int(x) for x in dst_index),
+        tuple(int(x) for x in output_split_sizes), tuple(tuple(int(r) for r in s) for s in src_indices), world,
+    )
+    tensors = [input] if op == "sum" else [input, input_lse]
+    bufs, works = _exchange(tensors, plan, group, world)
+
+    def finish():
+        rows = plan.recv_rows.to(output.device)
+        if op == "sum":
+            output.index_add_(0, rows, bufs[0].to(output.dtype))
+        else:
+            lse_scatter_merge(output, output_lse, rows, bufs[0], bufs[1])
+        return output
+
+    pending = PendingCollective(works, finish)
+    return pending if async_op else pending.wait()
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate equally sized ``x`` of every rank along dim 0, in rank order."""
+    world, _ = _world_and_rank(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather([_wire_view(p, group) for p in parts], _wire_view(x, group), group=group)
+    return torch.cat(parts, dim=0)
