@@ -80,3 +80,45 @@ def test_distributed_matches_dense_reference(world):
 def test_single_rank_without_process_group():
     for name, (slices, S) in mask_cases().items():
         check_case(name, slices, S, "degree1", None, 0)
+
+
+def bf16_worker(rank, world):
+    """bf16 through the whole pipeline (bf16 on the wire via gloo) against the fp64 reference of
+    the same rounded inputs: fp32 accumulation leaves only bf16 output rounding (~2^-8)."""
+    from magi_attn import DistAttnConfig, calc_attn, dispatch, magi_attn_flex_key, undispatch
+    from magi_kernels.testing import dense_attention, dense_mask
+
+    slices, S = mask_cases()["varlen_block_causal"]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(S, h, D, generator=gen).bfloat16() for h in (HQ, HK, HK))
+    key = magi_attn_flex_key([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], S, S,
+                             HQ, HK, D, dist.group.WORLD, DistAttnConfig(kernel_backend="torch"))
+    out = undispatch(calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)[0], key)
+    ref, _ = dense_attention(q.double(), k.double(), v.double(), dense_mask(slices, S, S))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_pipeline_two_ranks():
+    run_distributed(bf16_worker, 2)
+
+
+def test_api_errors():
+    from magi_attn import DistAttnConfig, OverlapConfig, calc_attn, magi_attn_flex_key, magi_attn_varlen_key
+
+    with pytest.raises(NotImplementedError, match="self-attention"):
+        magi_attn_flex_key([(0, 4)], [(0, 6)], "full", 4, 6, 2, 1, 8)
+    with pytest.raises(ValueError, match="multiple of num_heads_kv"):
+        magi_attn_flex_key([(0, 4)], [(0, 4)], "full", 4, 4, 3, 2, 8)
+    with pytest.raises(ValueError, match="both cover cell"):
+        magi_attn_flex_key([(0, 4), (2, 4)], [(0, 4), (0, 2)], "full", 4, 4, 2, 1, 8)
+    with pytest.raises(ValueError, match="kernel_backend"):
+        DistAttnConfig(kernel_backend="cuda")
+    with pytest.raises(ValueError, match="exceeds max_num_chunks"):
+        OverlapConfig(degree=9, max_num_chunks=4)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        magi_attn_varlen_key([0, 4], [0, 4], 2, 1, 8, cp_group=object())
+    key = magi_attn_varlen_key([0, 10], [0, 10], 2, 1, 8, causal=True)
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match=r"k, v must be \[shard_seqlen, num_heads_kv, head_dim\]"):
+        calc_attn(q, q, q, key)

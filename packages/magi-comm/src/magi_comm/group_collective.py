@@ -100,10 +100,10 @@ def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def _wire_view(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """gloo has no bf16/fp16 reductions and patchy 16-bit support: ship 16-bit floats as int16
-    bits (exact, no arithmetic happens on the wire)."""
+    """gloo rejects bf16 in all-to-all: ship 16-bit floats as raw bytes (exact; no arithmetic
+    happens on the wire, reductions run after the exchange)."""
     if t.dtype in (torch.float16, torch.bfloat16) and dist.get_backend(group) == "gloo":
-        return t.view(torch.int16)
+        return t.view(torch.uint8)
     return t
 
 

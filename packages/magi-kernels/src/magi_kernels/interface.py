@@ -22,13 +22,20 @@ BACKENDS = ("auto", "torch", "triton")
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _triton_module():
+def _load_triton():
     try:
         from . import triton_backend
     except ImportError as e:  # triton missing or broken
         logger.debug("triton backend unavailable: %s", e)
         return None
     return triton_backend if triton_backend.AVAILABLE else None
+
+
+_TRITON = _load_triton()  # resolved once at import: keeps the hot path (and torch.compile) free of imports
+
+
+def _triton_module():
+    return _TRITON
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:

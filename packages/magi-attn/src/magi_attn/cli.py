@@ -1,0 +1,190 @@
+"""``magi-attn`` command line: ``run`` (distributed demo job), ``plan`` (solver report/plot), ``env``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+
+logger = logging.getLogger("magi_attn.cli")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from magi_kernels import flex_flash_attn_func
+
+    from . import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_flex_key, undispatch
+    from .masks import make_mask
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cp))
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=args.cp)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[args.dtype]
+    slices = make_mask(args.mask, args.seqlen, window=args.window, block=args.block, seed=args.seed)
+    config = DistAttnConfig(DispatchConfig(chunk_size=args.chunk_size), OverlapConfig(degree=args.degree),
+                            kernel_backend=args.backend)
+    t0 = time.perf_counter()
+    key = magi_attn_flex_key([s.q_range for s in slices], [s.k_range for s in slices], [s.mask_type for s in slices],
+                             args.seqlen, args.seqlen, args.heads_q, args.heads_kv, args.head_dim, dist.group.WORLD, config)
+    plan_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(args.seed)
+    q, k, v = (torch.randn(args.seqlen, h, args.head_dim, generator=gen).to(device, dtype)
+               for h in (args.heads_q, args.heads_kv, args.heads_kv))
+    ql, kl, vl = (dispatch(t, key).detach().requires_grad_() for t in (q, k, v))
+    times = []
+    bar = tqdm(range(args.iters), desc="fwd+bwd", disable=rank != 0, file=sys.stdout)
+    for _ in bar:
+        if use_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        out, _ = calc_attn(ql, kl, vl, key)
+        out.float().square().sum().backward()
+        if use_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        ql.grad = kl.grad = vl.grad = None
+    out, _ = calc_attn(ql, kl, vl, key)
+    full_out = undispatch(out.detach(), key)
+    plan = key.runtime.plan
+    if rank == 0:
+        ref, _ = flex_flash_attn_func(q.double(), k.double(), v.double(), [s.q_range.to_tuple() for s in slices],
+                                      [s.k_range.to_tuple() for s in slices], [int(s.mask_type) for s in slices],
+                                      backend="torch")
+        err = (full_out.double() - ref).abs().max().item()
+        tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+        area = sum(s.area for s in slices)
+        med = sorted(times)[len(times) // 2]
+        flops = 4 * area * args.heads_q * args.head_dim * 3.5  # fwd + bwd (2.5x)
+        report = {
+            "backend": "nccl" if use_cuda else "gloo", "cp": args.cp, "mask": args.mask, "seqlen": args.seqlen,
+            "slices": len(slices), "dtype": args.dtype, "plan_s": round(plan_s, 4), **plan.summary(),
+            "median_fwd_bwd_s": round(med, 4), "tflops_per_rank": round(flops / med / args.cp / 1e12, 6),
+            "max_abs_err_vs_fp64": err, "tolerance": tol, "ok": err <= tol,
+        }
+        print(json.dumps(report, indent=2))
+        if err > tol:
+            raise SystemExit(f"distributed result differs from the reference by {err} > {tol}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if use_cuda and torch.cuda.device_count() < args.cp:
+        logger.warning("only %d GPUs for cp=%d: running on CPU processes with gloo", torch.cuda.device_count(), args.cp)
+        use_cuda = False
+    if args.cp < 1:
+        raise SystemExit("--cp must be >= 1")
+    mp.spawn(_run_worker, args=(args, _free_port(), use_cuda), nprocs=args.cp, join=True)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from magi_solver import DispatchConfig, DistAttnPlan, OverlapConfig
+
+    from .masks import make_mask
+
+    t0 = time.perf_counter()
+    slices = make_mask(args.mask, args.seqlen, window=args.window, block=args.block, seed=args.seed)
+    plan = DistAttnPlan(slices, args.seqlen, args.cp, num_heads_q=args.heads_q, num_heads_kv=args.heads_kv,
+                        head_dim=args.head_dim, dispatch_config=DispatchConfig(chunk_size=args.chunk_size),
+                        overlap_config=OverlapConfig(degree=args.degree))
+    for s in range(plan.num_stages):
+        for r in range(args.cp):
+            plan.cast_plan(s, r)
+    plan.calc_plan(0)
+    summary = plan.summary()
+    summary["plan_s_all_ranks"] = round(time.perf_counter() - t0, 4)
+    summary["slices"] = len(slices)
+    if not args.verbose:
+        summary.pop("rank_areas")
+        summary.pop("remote_kv_rows")
+    print(json.dumps(summary, indent=2))
+    if args.plot:
+        from .plot import plot_dispatch
+
+        plot_dispatch(plan, args.plot, title=f"{args.mask}, {args.seqlen} tokens, cp={args.cp}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import torch
+
+    import magi_comm
+    import magi_kernels
+    import magi_solver
+
+    from . import __version__
+    from magi_kernels.interface import _triton_module
+
+    info = {
+        "magi_attn": __version__, "magi_solver": magi_solver.__version__, "magi_kernels": magi_kernels.__version__,
+        "magi_comm": magi_comm.__version__, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+        "triton_backend": _triton_module() is not None,
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from .masks import MASKS
+
+    p.add_argument("--mask", choices=MASKS, default="varlen_causal")
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks (processes)")
+    p.add_argument("--heads-q", type=int, default=8)
+    p.add_argument("--heads-kv", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--degree", type=int, default=2, help="overlap stages (0 = no overlap)")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="magi-attn", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="cmd")
+    run = sub.add_parser("run", help="distributed attention fwd+bwd over CP processes, checked against fp64")
+    _common(run)
+    run.add_argument("--iters", type=int, default=3)
+    run.add_argument("--dtype", choices=("fp32", "bf16", "fp64"), default="fp32")
+    run.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
+    run.add_argument("--cpu", action="store_true", help="force CPU processes with gloo")
+    plan = sub.add_parser("plan", help="solve a mask and print the plan (optionally plot the dispatch)")
+    _common(plan)
+    plan.add_argument("--plot", default=None, help="write a PNG of mask and dispatch")
+    plan.add_argument("--verbose", action="store_true")
+    sub.add_parser("env", help="versions and available backends")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd is None:
+        args = parser.parse_args(["run", *(argv or [])])
+    return {"run": cmd_run, "plan": cmd_plan, "env": cmd_env}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""flex_flash_attn_func (torch backend) against the float64 dense reference, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import mask_cases
+from magi_kernels import flex_flash_attn_func, merge_out_lse
+from magi_kernels.testing import dense_attention, dense_mask
+
+# fp64: summation order only. fp32: ~1e-6 relative on O(1) values; bf16 inputs are compared
+# against the fp64 result of the *same rounded inputs*, so only the kernel's fp32 accumulation
+# and the final bf16 rounding of out (2^-8 relative) remain.
+TOLS = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _inputs(S, hq, hk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(S, h, d, generator=g, dtype=torch.float64).to(dtype) for h in (hq, hk, hk)]
+
+
+def _run(slices, S, dtype, hq=4, hk=2, d=16, softcap=0.0):
+    q, k, v = (t.requires_grad_() for t in _inputs(S, hq, hk, d, dtype))
+    out, lse = flex_flash_attn_func(q, k, v, [s[:2] for s in slices], [s[2:4] for s in slices],
+                                    [s[4] for s in slices], softcap=softcap, backend="torch")
+    g = torch.Generator().manual_seed(1)
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    g_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    fin = torch.isfinite(lse)
+    ((out.double() * g_out).sum() + torch.where(fin, lse.double() * g_lse, 0).sum()).backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ro, rl = dense_attention(q64, k64, v64, dense_mask(slices, S, S), softcap=softcap)
+    rfin = torch.isfinite(rl)
+    ((ro * g_out).sum() + torch.where(rfin, rl * g_lse, 0).sum()).backward()
+    tol = TOLS[dtype]
+    assert torch.equal(fin, rfin)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(out.double(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double()[fin], rl[fin], atol=tol, rtol=tol)
+    for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(a.double(), b, atol=tol * 4, rtol=tol * 4)
+    assert (out[~fin.all(-1)] == 0).all()
+
+
+@pytest.mark.parametrize("case", list(mask_cases()))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_kernel_matches_dense(case, dtype):
+    slices, S = mask_cases()[case]
+    _run(slices, S, dtype)
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (6, 2), (3, 1)])
+def test_gqa_and_softcap(hq, hk):
+    slices, S = mask_cases()["mixed_overlapping"]
+    _run(slices, S, torch.float64, hq=hq, hk=hk, softcap=1.5)
+
+
+def test_empty_slices_and_no_slices():
+    q, k, v = _inputs(10, 2, 2, 8, torch.float64)
+    out, lse = flex_flash_attn_func(q, k, v, [(0, 0), (3, 5)], [(0, 0), (5, 5)], backend="torch")
+    assert (out == 0).all() and torch.isinf(lse).all()
+
+
+def test_accumulate_into_previous_result_equals_one_call():
+    slices, S = mask_cases()["varlen_causal"]
+    q, k, v = _inputs(S, 4, 2, 8, torch.float64)
+    qr, kr, tm = [s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices]
+    full_o, full_l = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="torch")
+    half = len(slices) // 2
+    o1, l1 = flex_flash_attn_func(q, k, v, qr[:half], kr[:half], tm[:half], backend="torch")
+    o1c, l1c = o1.clone(), l1.clone()
+    o2, l2 = flex_flash_attn_func(q, k, v, qr[half:], kr[half:], tm[half:], out=o1, lse=l1, backend="torch")
+    assert torch.equal(o1, o1c) and torch.equal(l1, l1c), "accumulators must not be mutated"
+    torch.testing.assert_close(o2, full_o, atol=1e-12, rtol=0)
+    torch.testing.assert_close(l2, full_l, atol=1e-12, rtol=0)
+
+
+def test_merge_out_lse_handles_empty_rows():
+    o = torch.randn(3, 1, 2, dtype=torch.float64)
+    l = torch.tensor([[0.5], [float("-inf")], [float("-inf")]], dtype=torch.float64)
+    o2 = torch.randn(3, 1, 2, dtype=torch.float64)
+    l2 = torch.tensor([[float("-inf")], [1.0], [float("-inf")]], dtype=torch.float64)
+    mo, ml = merge_out_lse(torch.where(torch.isinf(l)[..., None], 0, o), l, torch.where(torch.isinf(l2)[..., None], 0, o2), l2)
+    torch.testing.assert_close(mo[0], o[0])
+    torch.testing.assert_close(mo[1], o2[1])
+    assert (mo[2] == 0).all() and torch.isinf(ml[2]).all() and not torch.isnan(mo).any()
+
+
+def test_torch_compile():
+    slices, S = mask_cases()["causal"]
+    q, k, v = _inputs(S, 2, 1, 8, torch.float32)
+    qr = torch.tensor([s[:2] for s in slices], dtype=torch.int32)
+    kr = torch.tensor([s[2:4] for s in slices], dtype=torch.int32)
+    tm = torch.tensor([s[4] for s in slices], dtype=torch.int32)
+
+    def f(q, k, v):
+        return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="torch", check_ranges=False)[0].sum()
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager)
+
+
+class TestErrors:
+    def test_messages(self):
+        q, k, v = _inputs(8, 4, 2, 8, torch.float32)
+        with pytest.raises(ValueError, match="multiple of num_heads_kv"):
+            flex_flash_attn_func(q, k[:, :1].repeat(1, 3, 1), v[:, :1].repeat(1, 3, 1), [(0, 8)], [(0, 8)])
+        with pytest.raises(TypeError, match="share a dtype"):
+            flex_flash_attn_func(q, k.double(), v, [(0, 8)], [(0, 8)])
+        with pytest.raises(ValueError, match=r"k_ranges\[0\]"):
+            flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 9)])
+        with pytest.raises(ValueError, match="slices but k_ranges"):
+            flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 8), (0, 1)])
+        with pytest.raises(ValueError, match="unknown mask type 7"):
+            flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 8)], [7])
+        with pytest.raises(ValueError, match=r"\[tokens, heads, head_dim\]"):
+            flex_flash_attn_func(q[0], k, v, [(0, 8)], [(0, 8)])
+        with pytest.raises(TypeError, match="dtype torch.int32"):
+            flex_flash_attn_func(q.int(), k.int(), v.int(), [(0, 8)], [(0, 8)])
+        with pytest.raises(ValueError, match="backend='triton' cannot run"):
+            flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 8)], backend="triton")
+        with pytest.raises(ValueError, match="both out and lse"):
+            flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 8)], out=torch.zeros_like(q))
