@@ -1,17 +1,280 @@
-"""Fused GPU backend (Triton). Importable without triton; ``AVAILABLE`` says if it can run."""
+"""Fused GPU backend (Triton): flash attention over (q_range, k_range, mask_type) slices.
+
+Forward: one program per (query block of a slice, query head); keys are pruned to the block's
+unmasked extent, element masks are applied only on partial blocks, online softmax in fp32.
+Slices whose q ranges overlap are placed in separate *layers* (interval colouring on the host);
+each layer is one launch that LSE-merges into the fp32 output of the previous layers, so no two
+programs ever write the same row. Backward: one program per (key block of a slice, KV head)
+loops over the GQA group and the visible query blocks, accumulates dK/dV in registers
+(layered by k-range overlap) and adds dQ with fp32 atomics.
+
+Importable without triton; ``AVAILABLE`` says whether it can run.
+"""
 
 from __future__ import annotations
+
+import functools
+import math
+
+import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 try:
-    import triton  # noqa: F401
-    import triton.language as tl  # noqa: F401
+    import triton
+    import triton.language as tl
 
-    AVAILABLE = False  # set True once the kernels below are defined
+    AVAILABLE = True
 except ImportError:  # CPU-only installs
     AVAILABLE = False
 
 
 def supports_head_dim(d: int) -> bool:
     return d in SUPPORTED_HEAD_DIMS
+
+
+def _layers(slices: tuple[tuple[int, ...], ...], axis: int) -> list[list[int]]:
+    """Colour slices so that within a layer the ranges on ``axis`` (0 = q, 2 = k) are disjoint."""
+    order = sorted(range(len(slices)), key=lambda i: (slices[i][axis], slices[i][axis + 1]))
+    ends: list[int] = []
+    layers: list[list[int]] = []
+    for i in order:
+        s, e = slices[i][axis], slices[i][axis + 1]
+        if e <= s or slices[i][2] >= slices[i][3] or slices[i][0] >= slices[i][1]:
+            continue
+        for li, end in enumerate(ends):
+            if end <= s:
+                layers[li].append(i)
+                ends[li] = e
+                break
+        else:
+            layers.append([i])
+            ends.append(e)
+    return layers
+
+
+@functools.lru_cache(maxsize=256)
+def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str):
+    """Per layer: (tile -> slice index, tile start) int32 tensors and the slice table."""
+    meta = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5).to(device)
+    out = []
+    for layer in _layers(slices, axis):
+        sid, start = [], []
+        for i in layer:
+            s, e = slices[i][axis], slices[i][axis + 1]
+            for b in range(s, e, block):
+                sid.append(i)
+                start.append(b)
+        out.append((torch.tensor(sid, dtype=torch.int32, device=device),
+                    torch.tensor(start, dtype=torch.int32, device=device), len(sid)))
+    return meta, out
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _tanh(x):
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _fwd_kernel(
+        Q, K, V, O, LSE, META, TILE_S, TILE_M,
+        sqt, sqh, skt, skh, sot, soh, slt, slh,
+        scale, softcap,
+        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        hk = h // GROUP
+        sid = tl.load(TILE_S + tile)
+        m0 = tl.load(TILE_M + tile)
+        qs = tl.load(META + sid * 5 + 0)
+        qe = tl.load(META + sid * 5 + 1)
+        ks = tl.load(META + sid * 5 + 2)
+        ke = tl.load(META + sid * 5 + 3)
+        t = tl.load(META + sid * 5 + 4)
+        inv = (t & 2) != 0
+        cau = (t & 1) != 0
+        rows = m0 + tl.arange(0, BM)
+        rmask = rows < qe
+        lo = tl.where(inv, ks + rows - qs, ks)
+        hi = tl.where(cau, rows + ke - qe + 1, ke)
+        hi = tl.minimum(hi, ke)
+        last = tl.minimum(m0 + BM, qe) - 1
+        k_lo = tl.where(inv, ks + m0 - qs, ks)
+        k_hi = tl.minimum(tl.where(cau, last + ke - qe + 1, ke), ke)
+        k_lo = tl.maximum(k_lo, ks)
+        full_lo = tl.where(inv, ks + last - qs, ks)  # blocks in [full_lo, full_hi) need no mask
+        full_hi = tl.where(cau, m0 + ke - qe + 1, ke)
+        d = tl.arange(0, D)
+        q = tl.load(Q + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        for kb in range(k_lo, k_hi, BN):
+            cols = kb + tl.arange(0, BN)
+            cmask = cols < k_hi
+            k = tl.load(K + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
+            v = tl.load(V + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            if (kb < full_lo) | (kb + BN > full_hi) | (kb + BN > k_hi):
+                vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+                s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        ok = l_i > 0
+        l_safe = tl.where(ok, l_i, 1.0)
+        lse = tl.where(ok, m_i + tl.log(l_safe), float("-inf"))
+        o = acc / l_safe[:, None]
+        optr = O + rows[:, None] * sot + h * soh + d[None, :]
+        lptr = LSE + rows * slt + h * slh
+        if ACCUM:
+            old_l = tl.load(lptr, mask=rmask, other=float("-inf"))
+            old_o = tl.load(optr, mask=rmask[:, None], other=0.0)
+            new_l = tl.maximum(old_l, lse)
+            base = tl.where(new_l == float("-inf"), 0.0, new_l)
+            wa = tl.exp(old_l - base)
+            wb = tl.exp(lse - base)
+            den = wa + wb
+            den_safe = tl.where(den > 0, den, 1.0)
+            o = (old_o * wa[:, None] + o * wb[:, None]) / den_safe[:, None]
+            lse = tl.where(den > 0, base + tl.log(den_safe), float("-inf"))
+        tl.store(optr, o, mask=rmask[:, None])
+        tl.store(lptr, lse, mask=rmask)
+
+    @triton.jit
+    def _bwd_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, DK, DV, META, TILE_S, TILE_N,
+        sqt, sqh, skt, skh, slt, slh,
+        scale, softcap,
+        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        hk = tl.program_id(1)
+        sid = tl.load(TILE_S + tile)
+        n0 = tl.load(TILE_N + tile)
+        qs = tl.load(META + sid * 5 + 0)
+        qe = tl.load(META + sid * 5 + 1)
+        ks = tl.load(META + sid * 5 + 2)
+        ke = tl.load(META + sid * 5 + 3)
+        t = tl.load(META + sid * 5 + 4)
+        inv = (t & 2) != 0
+        cau = (t & 1) != 0
+        cols = n0 + tl.arange(0, BN)
+        cmask = cols < ke
+        n_last = tl.minimum(n0 + BN, ke) - 1
+        # rows that see any key of this block
+        q_lo = tl.maximum(tl.where(cau, n0 - ke + qe, qs), qs)
+        q_hi = tl.minimum(tl.where(inv, n_last - ks + qs + 1, qe), qe)
+        d = tl.arange(0, D)
+        k = tl.load(K + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
+        v = tl.load(V + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            for mb in range(q_lo, q_hi, BM):
+                rows = mb + tl.arange(0, BM)
+                rmask = rows < q_hi
+                q = tl.load(Q + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
+                do = tl.load(DO + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
+                lse = tl.load(LSE + rows * slt + h * slh, mask=rmask, other=float("-inf"))
+                delta = tl.load(DELTA + rows * slt + h * slh, mask=rmask, other=0.0)
+                s = tl.dot(q, tl.trans(k)) * scale
+                if HAS_SOFTCAP:
+                    th = _tanh(s / softcap)
+                    s = softcap * th
+                lo = tl.where(inv, ks + rows - qs, ks)
+                hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
+                vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & rmask[:, None]
+                vis = vis & (lse[:, None] != float("-inf"))
+                lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+                p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                dp = tl.dot(do, tl.trans(v))
+                ds = p * (dp - delta[:, None])
+                if HAS_SOFTCAP:
+                    ds = ds * (1.0 - th * th)
+                ds = ds * scale
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+                dq = tl.dot(ds.to(k.dtype), k)
+                tl.atomic_add(DQ + rows[:, None] * sqt + h * sqh + d[None, :], dq, mask=rmask[:, None])
+        kptr = cols[:, None] * skt + hk * skh + d[None, :]
+        if ACCUM:
+            dk += tl.load(DK + kptr, mask=cmask[:, None], other=0.0)
+            dv += tl.load(DV + kptr, mask=cmask[:, None], other=0.0)
+        tl.store(DK + kptr, dk, mask=cmask[:, None])
+        tl.store(DV + kptr, dv, mask=cmask[:, None])
+
+
+def _fwd_config(d: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) per head dim, tuned on H200 (see docs/notes)."""
+    return (128, 64, 8, 3) if d == 128 else (128, 64, 4, 3)
+
+
+def _bwd_config(d: int) -> tuple[int, int, int, int]:
+    return (64, 64, 8, 2) if d == 128 else (64, 64, 4, 2)
+
+
+def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    t = torch.cat([q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1, 1)], dim=1).tolist()
+    return tuple(tuple(r) for r in t)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("triton backend needs the head_dim axis of q, k, v to be contiguous")
+
+
+def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _check(q, k)
+    tq, hq, d = q.shape
+    hk = k.shape[1]
+    slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
+    BM, BN, warps, stages = _fwd_config(d)
+    meta, layers = _tiles(slices, 0, BM, str(q.device))
+    out = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    for li, (sid, start, n) in enumerate(layers):
+        _fwd_kernel[(n, hq)](
+            q, k, v, out, lse, meta, sid, start,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            softmax_scale, softcap if softcap > 0 else 1.0,
+            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
+            num_warps=warps, num_stages=stages,
+        )
+    return (out if acc_out else out.to(q.dtype)), lse
+
+
+def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap):
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous().to(q.dtype)
+    _check(q, k)
+    tq, hq, d = q.shape
+    hk = k.shape[1]
+    delta = ((do.float() * out.float()).sum(-1) - dlse.float()).contiguous()
+    lse = lse.float().contiguous()
+    slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
+    BM, BN, warps, stages = _bwd_config(d)
+    meta, layers = _tiles(slices, 2, BN, str(q.device))
+    dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for li, (sid, start, n) in enumerate(layers):
+        _bwd_kernel[(n, hk)](
+            q, k, v, do, lse, delta, dq, dk, dv, meta, sid, start,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1),
+            softmax_scale, softcap if softcap > 0 else 1.0,
+            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
+            num_warps=warps, num_stages=stages,
+        )
+    return dq, dk, dv

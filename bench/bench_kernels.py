@@ -1,0 +1,174 @@
+"""Kernel benchmark on one GPU: magi (triton) vs FlexAttention (compiled) vs cuDNN SDPA, same process.
+
+TFLOP/s count only the unmasked area: fwd = 4 * area * hq * d, bwd = 2.5 * fwd.
+Usage: python bench/bench_kernels.py --seqlens 8192 16384 32768 --out results.json [--plot plot.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from magi_attn.masks import make_mask
+from magi_kernels import flex_flash_attn_func
+
+MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal"]
+
+
+def row_intervals(slices, S, device):
+    """Per-query [lo, hi) key interval (every benchmark mask has one interval per row)."""
+    lo = torch.zeros(S, dtype=torch.int32)
+    hi = torch.zeros(S, dtype=torch.int32)
+    for s in slices:
+        b = s.band()
+        for p in b.pieces():
+            q = torch.arange(p.q_start, p.q_end)
+            l = torch.clamp(q + p.diag_lo, min=p.k_lo) if p.diag_lo > -(1 << 61) else torch.full_like(q, p.k_lo)
+            h = torch.clamp(q + p.diag_hi, max=p.k_hi) if p.diag_hi < (1 << 61) else torch.full_like(q, p.k_hi)
+            lo[p.q_start:p.q_end] = l.int()
+            hi[p.q_start:p.q_end] = h.int()
+    return lo.to(device), hi.to(device)
+
+
+def bench(fn, reps_ms=200):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
+
+
+def run(args):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    dev = torch.device("cuda")
+    hq, hk, d = args.heads_q, args.heads_kv, args.head_dim
+    rows = []
+    for S in args.seqlens:
+        for mask in args.masks:
+            slices = make_mask(mask, S, window=args.window, block=args.block, seed=0)
+            area = sum(s.area for s in slices)
+            fl_f = 4 * area * hq * d
+            qr = torch.tensor([s.q_range.to_tuple() for s in slices], dtype=torch.int32, device=dev)
+            kr = torch.tensor([s.k_range.to_tuple() for s in slices], dtype=torch.int32, device=dev)
+            tm = torch.tensor([int(s.mask_type) for s in slices], dtype=torch.int32, device=dev)
+            torch.manual_seed(0)
+            q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
+            res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S}
+
+            def ours():
+                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False)[0]
+
+            o = ours()
+            res["magi_fwd_ms"] = bench(ours)
+            res["magi_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+            # metadata cost: host tuple + cached tile tables (what a call pays besides kernels)
+            from magi_kernels import triton_backend as tb
+
+            t0 = time.perf_counter()
+            for _ in range(20):
+                tb._tiles(tb._host_tuple(qr, kr, tm), 0, 128, str(dev))
+            res["magi_meta_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+
+            qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
+            gf = g.transpose(0, 1).unsqueeze(0)
+            try:
+                if mask == "full":
+                    bm = None
+                elif mask == "causal":
+                    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
+                else:
+                    lo, hi = row_intervals(slices, S, dev)
+                    bm = create_block_mask(lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None, S, S,
+                                           device=dev)
+
+                def fx():
+                    return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
+
+                of = fx()
+                res["flex_fwd_ms"] = bench(fx)
+                res["flex_bwd_ms"] = bench(lambda: torch.autograd.grad(of, (qf, kf, vf), gf, retain_graph=True))
+                err = (of[0].transpose(0, 1).float() - o.float()).abs().max().item()
+                res["flex_vs_magi_maxerr"] = err
+            except Exception as e:  # noqa: BLE001 - report and continue
+                res["flex_error"] = repr(e)[:200]
+            if mask in ("full", "causal"):
+                kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
+                try:
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        def cd():
+                            return F.scaled_dot_product_attention(qf, kr_, vr_, is_causal=mask == "causal")
+
+                        oc = cd()
+                        res["cudnn_fwd_ms"] = bench(cd)
+                        res["cudnn_bwd_ms"] = bench(lambda: torch.autograd.grad(oc, (qf, kr_, vr_), gf, retain_graph=True))
+                except Exception as e:  # noqa: BLE001
+                    res["cudnn_error"] = repr(e)[:200]
+            for impl in ("magi", "flex", "cudnn"):
+                if f"{impl}_fwd_ms" in res:
+                    res[f"{impl}_fwd_tflops"] = fl_f / res[f"{impl}_fwd_ms"] / 1e9
+                    res[f"{impl}_bwd_tflops"] = 2.5 * fl_f / res[f"{impl}_bwd_ms"] / 1e9
+            rows.append(res)
+            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+            del q, k, v, g, qf, kf, vf
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqlens = sorted({r["seqlen"] for r in rows})
+    masks = [m for m in MASKS if any(r["mask"] == m for r in rows)]
+    fig, axes = plt.subplots(2, len(seqlens), figsize=(5 * len(seqlens), 7), squeeze=False)
+    for j, S in enumerate(seqlens):
+        for i, pas in enumerate(("fwd", "bwd")):
+            ax = axes[i][j]
+            for o, impl in enumerate(("magi", "flex", "cudnn")):
+                vals = [next((r.get(f"{impl}_{pas}_tflops", 0) for r in rows if r["seqlen"] == S and r["mask"] == m), 0)
+                        for m in masks]
+                ax.bar([x + 0.27 * (o - 1) for x in range(len(masks))], vals, 0.27, label=impl)
+            ax.set_xticks(range(len(masks)))
+            ax.set_xticklabels(masks, rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"{pas}, {S // 1024}k tokens")
+            ax.set_ylabel("TFLOP/s (unmasked area)")
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768])
+    p.add_argument("--masks", nargs="+", default=MASKS)
+    p.add_argument("--heads-q", type=int, default=48)
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--out", default="bench_results.json")
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    rows = run(args)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args)}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, f"{meta['device']}, b=1 hq={args.heads_q} hk={args.heads_kv} d={args.head_dim} bf16")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
