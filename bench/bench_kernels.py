@@ -81,6 +81,12 @@ def run(args):
 
             qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
             gf = g.transpose(0, 1).unsqueeze(0)
+            if args.no_peers:
+                res["magi_fwd_tflops"] = fl_f / res["magi_fwd_ms"] / 1e9
+                res["magi_bwd_tflops"] = 2.5 * fl_f / res["magi_bwd_ms"] / 1e9
+                rows.append(res)
+                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+                continue
             try:
                 if mask == "full":
                     bm = None
@@ -161,6 +167,7 @@ def main():
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--plot", default=None)
+    p.add_argument("--no-peers", action="store_true", help="only time magi (tuning runs)")
     args = p.parse_args()
     rows = run(args)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args)}

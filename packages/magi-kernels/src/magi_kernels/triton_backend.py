@@ -14,7 +14,7 @@ Importable without triton; ``AVAILABLE`` says whether it can run.
 from __future__ import annotations
 
 import functools
-import math
+import os
 
 import torch
 
@@ -120,19 +120,20 @@ if AVAILABLE:
             s = tl.dot(q, tl.trans(k)) * scale
             if HAS_SOFTCAP:
                 s = softcap * _tanh(s / softcap)
+            s = s * 1.4426950408889634  # log2(e): exp2 below
             if (kb < full_lo) | (kb + BN > full_hi) | (kb + BN > k_hi):
                 vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
                 s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         ok = l_i > 0
         l_safe = tl.where(ok, l_i, 1.0)
-        lse = tl.where(ok, m_i + tl.log(l_safe), float("-inf"))
+        lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         o = acc / l_safe[:, None]
         optr = O + rows[:, None] * sot + h * soh + d[None, :]
         lptr = LSE + rows * slt + h * slh
@@ -153,13 +154,14 @@ if AVAILABLE:
     @triton.jit
     def _bwd_kernel(
         Q, K, V, DO, LSE, DELTA, DQ, DK, DV, META, TILE_S, TILE_N,
-        sqt, sqh, skt, skh, slt, slh,
+        sqt, sqh, skt, skh, slt, slh, sdt, sdh,
         scale, softcap,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
         tile = tl.program_id(0)
-        hk = tl.program_id(1)
+        h = tl.program_id(1)
+        hk = h // GROUP
         sid = tl.load(TILE_S + tile)
         n0 = tl.load(TILE_N + tile)
         qs = tl.load(META + sid * 5 + 0)
@@ -180,35 +182,33 @@ if AVAILABLE:
         v = tl.load(V + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            for mb in range(q_lo, q_hi, BM):
-                rows = mb + tl.arange(0, BM)
-                rmask = rows < q_hi
-                q = tl.load(Q + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
-                do = tl.load(DO + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
-                lse = tl.load(LSE + rows * slt + h * slh, mask=rmask, other=float("-inf"))
-                delta = tl.load(DELTA + rows * slt + h * slh, mask=rmask, other=0.0)
-                s = tl.dot(q, tl.trans(k)) * scale
-                if HAS_SOFTCAP:
-                    th = _tanh(s / softcap)
-                    s = softcap * th
-                lo = tl.where(inv, ks + rows - qs, ks)
-                hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
-                vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & rmask[:, None]
-                vis = vis & (lse[:, None] != float("-inf"))
-                lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-                p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
-                if HAS_SOFTCAP:
-                    ds = ds * (1.0 - th * th)
-                ds = ds * scale
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-                dq = tl.dot(ds.to(k.dtype), k)
-                tl.atomic_add(DQ + rows[:, None] * sqt + h * sqh + d[None, :], dq, mask=rmask[:, None])
-        kptr = cols[:, None] * skt + hk * skh + d[None, :]
+        for mb in range(q_lo, q_hi, BM):
+            rows = mb + tl.arange(0, BM)
+            rmask = rows < q_hi
+            q = tl.load(Q + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
+            do = tl.load(DO + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
+            lse = tl.load(LSE + rows * slt + h * slh, mask=rmask, other=float("-inf"))
+            delta = tl.load(DELTA + rows * slt + h * slh, mask=rmask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            if HAS_SOFTCAP:
+                th = _tanh(s / softcap)
+                s = softcap * th
+            lo = tl.where(inv, ks + rows - qs, ks)
+            hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
+            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & rmask[:, None]
+            vis = vis & (lse[:, None] != float("-inf"))
+            lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+            p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - th * th)
+            ds = ds * scale
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dq = tl.dot(ds.to(k.dtype), k)
+            tl.atomic_add(DQ + rows[:, None] * sqt + h * sqh + d[None, :], dq, mask=rmask[:, None])
+        kptr = cols[:, None] * sdt + h * sdh + d[None, :]
         if ACCUM:
             dk += tl.load(DK + kptr, mask=cmask[:, None], other=0.0)
             dv += tl.load(DV + kptr, mask=cmask[:, None], other=0.0)
@@ -216,13 +216,24 @@ if AVAILABLE:
         tl.store(DV + kptr, dv, mask=cmask[:, None])
 
 
+def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """Tile config override ``BM,BN,warps,stages`` from the environment (for tuning runs)."""
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    vals = tuple(int(x) for x in raw.split(","))
+    if len(vals) != 4:
+        raise ValueError(f"{name} must be 'BM,BN,num_warps,num_stages', got {raw!r}")
+    return vals  # type: ignore[return-value]
+
+
 def _fwd_config(d: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) per head dim, tuned on H200 (see docs/notes)."""
-    return (128, 64, 8, 3) if d == 128 else (128, 64, 4, 3)
+    """(BM, BN, num_warps, num_stages) per head dim, measured on H200 (see docs/notes)."""
+    return _env_config("MAGI_TRITON_FWD_CFG", (128, 64, 8, 3) if d == 128 else (128, 64, 4, 3))
 
 
 def _bwd_config(d: int) -> tuple[int, int, int, int]:
-    return (64, 64, 8, 2) if d == 128 else (64, 64, 4, 2)
+    return _env_config("MAGI_TRITON_BWD_CFG", (64, 64, 8, 2) if d == 128 else (64, 64, 4, 2))
 
 
 def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
@@ -267,14 +278,16 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     BM, BN, warps, stages = _bwd_config(d)
     meta, layers = _tiles(slices, 2, BN, str(q.device))
     dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    # dK/dV per *query* head (more parallel programs, no cross-head race), summed per group below
+    dk = torch.zeros(k.shape[0], hq, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(k.shape[0], hq, d, dtype=torch.float32, device=q.device)
     for li, (sid, start, n) in enumerate(layers):
-        _bwd_kernel[(n, hk)](
+        _bwd_kernel[(n, hq)](
             q, k, v, do, lse, delta, dq, dk, dv, meta, sid, start,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1),
             softmax_scale, softcap if softcap > 0 else 1.0,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
             num_warps=warps, num_stages=stages,
         )
-    return dq, dk, dv
+    g = hq // hk
+    return dq, dk.view(-1, hk, g, d).sum(2), dv.view(-1, hk, g, d).sum(2)
