@@ -4,10 +4,9 @@ Forward: one program per (query block of a slice, query head); keys are pruned t
 unmasked extent, element masks are applied only on partial blocks, online softmax in fp32.
 Slices whose q ranges overlap are placed in separate *layers* (interval colouring on the host);
 each layer is one launch that LSE-merges into the fp32 output of the previous layers, so no two
-programs ever write the same row. Backward: a dK/dV kernel with one program per (key block of
-a slice, query head) that loops over the visible query blocks (layered by k-range overlap, per-head
-partials summed over the GQA group afterwards), and a dQ kernel with one program per (query block,
-query head) looping over the visible keys (layered by q-range overlap). No atomics anywhere.
+programs ever write the same row. Backward: one program per (key block of a slice, KV head)
+loops over the GQA group and the visible query blocks, accumulates dK/dV in registers
+(layered by k-range overlap) and adds dQ with fp32 atomics.
 
 Importable without triton; ``AVAILABLE`` says whether it can run.
 """
@@ -153,8 +152,8 @@ if AVAILABLE:
         tl.store(lptr, lse, mask=rmask)
 
     @triton.jit
-    def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, META, TILE_S, TILE_N,
+    def _bwd_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ, DK, DV, META, TILE_S, TILE_N,
         sqt, sqh, skt, skh, slt, slh, sdt, sdh,
         scale, softcap,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
@@ -207,68 +206,14 @@ if AVAILABLE:
                 ds = ds * (1.0 - th * th)
             ds = ds * scale
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dq = tl.dot(ds.to(k.dtype), k)
+            tl.atomic_add(DQ + rows[:, None] * sqt + h * sqh + d[None, :], dq, mask=rmask[:, None])
         kptr = cols[:, None] * sdt + h * sdh + d[None, :]
         if ACCUM:
             dk += tl.load(DK + kptr, mask=cmask[:, None], other=0.0)
             dv += tl.load(DV + kptr, mask=cmask[:, None], other=0.0)
         tl.store(DK + kptr, dk, mask=cmask[:, None])
         tl.store(DV + kptr, dv, mask=cmask[:, None])
-
-    @triton.jit
-    def _bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, META, TILE_S, TILE_M,
-        sqt, sqh, skt, skh, slt, slh,
-        scale, softcap,
-        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
-    ):
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
-        hk = h // GROUP
-        sid = tl.load(TILE_S + tile)
-        m0 = tl.load(TILE_M + tile)
-        qs = tl.load(META + sid * 5 + 0)
-        qe = tl.load(META + sid * 5 + 1)
-        ks = tl.load(META + sid * 5 + 2)
-        ke = tl.load(META + sid * 5 + 3)
-        t = tl.load(META + sid * 5 + 4)
-        inv = (t & 2) != 0
-        cau = (t & 1) != 0
-        rows = m0 + tl.arange(0, BM)
-        rmask = rows < qe
-        lo = tl.where(inv, ks + rows - qs, ks)
-        hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
-        last = tl.minimum(m0 + BM, qe) - 1
-        k_lo = tl.maximum(tl.where(inv, ks + m0 - qs, ks), ks)
-        k_hi = tl.minimum(tl.where(cau, last + ke - qe + 1, ke), ke)
-        d = tl.arange(0, D)
-        qptr = rows[:, None] * sqt + h * sqh + d[None, :]
-        q = tl.load(Q + qptr, mask=rmask[:, None], other=0.0)
-        do = tl.load(DO + qptr, mask=rmask[:, None], other=0.0)
-        lse = tl.load(LSE + rows * slt + h * slh, mask=rmask, other=float("-inf"))
-        delta = tl.load(DELTA + rows * slt + h * slh, mask=rmask, other=0.0)
-        row_ok = (lse != float("-inf")) & rmask
-        lse_safe = tl.where(row_ok, lse, 0.0)
-        dq = tl.zeros([BM, D], tl.float32)
-        for kb in range(k_lo, k_hi, BN):
-            cols = kb + tl.arange(0, BN)
-            cmask = cols < k_hi
-            k = tl.load(K + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
-            v = tl.load(V + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            if HAS_SOFTCAP:
-                th = _tanh(s / softcap)
-                s = softcap * th
-            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & row_ok[:, None]
-            p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - th * th)
-            dq += tl.dot((ds * scale).to(k.dtype), k)
-        if ACCUM:
-            dq += tl.load(DQ + qptr, mask=rmask[:, None], other=0.0)
-        tl.store(DQ + qptr, dq, mask=rmask[:, None])
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -288,12 +233,7 @@ def _fwd_config(d: int) -> tuple[int, int, int, int]:
 
 
 def _bwd_config(d: int) -> tuple[int, int, int, int]:
-    """dK/dV kernel config."""
-    return _env_config("MAGI_TRITON_BWD_CFG", (32, 128, 8, 2) if d == 128 else (32, 128, 4, 2))
-
-
-def _dq_config(d: int) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_DQ_CFG", (128, 64, 8, 2) if d == 128 else (128, 64, 4, 2))
+    return _env_config("MAGI_TRITON_BWD_CFG", (64, 64, 8, 2) if d == 128 else (64, 64, 4, 2))
 
 
 def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
@@ -342,19 +282,9 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     dk = torch.zeros(k.shape[0], hq, d, dtype=torch.float32, device=q.device)
     dv = torch.zeros(k.shape[0], hq, d, dtype=torch.float32, device=q.device)
     for li, (sid, start, n) in enumerate(layers):
-        _bwd_dkdv_kernel[(n, hq)](
-            q, k, v, do, lse, delta, dk, dv, meta, sid, start,
+        _bwd_kernel[(n, hq)](
+            q, k, v, do, lse, delta, dq, dk, dv, meta, sid, start,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1),
-            softmax_scale, softcap if softcap > 0 else 1.0,
-            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
-            num_warps=warps, num_stages=stages,
-        )
-    BM, BN, warps, stages = _dq_config(d)
-    meta, layers = _tiles(slices, 0, BM, str(q.device))
-    for li, (sid, start, n) in enumerate(layers):
-        _bwd_dq_kernel[(n, hq)](
-            q, k, v, do, lse, delta, dq, meta, sid, start,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1),
             softmax_scale, softcap if softcap > 0 else 1.0,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
             num_warps=warps, num_stages=stages,
