@@ -148,7 +148,12 @@ def solve_dispatch(
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if total_seqlen <= 0:
         raise ValueError(f"total_seqlen must be positive, got {total_seqlen}")
-    cs = config.chunk_size or auto_chunk_size(total_seqlen, cp_size, config.min_chunks_per_rank)
+    if config.chunk_size:
+        cs = config.chunk_size
+    elif cp_size == 1:
+        cs = total_seqlen  # one rank: one chunk, no padding
+    else:
+        cs = auto_chunk_size(total_seqlen, cp_size, config.min_chunks_per_rank)
     padded = total_seqlen + compute_pad_size(total_seqlen, cp_size, cs)
     n = padded // cs
     bands = _chunk_bands(slices, n, cs)

@@ -1,0 +1,3 @@
+"""magi integrations: HF Transformers (`attn_implementation="magi"`), FSDP2, DeepSpeed, Hydra."""
+
+__version__ = "0.1.0"
