@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 CU = [0, 9, 30, 31, 57, 70]
 
 
-def tiny_llama(attn: str):
+def tiny_llama(attn: str, dtype=torch.float64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from magi_integrations.hf import register_magi
@@ -26,7 +26,7 @@ def tiny_llama(attn: str):
                       num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0,
                       max_position_embeddings=128)
     cfg._attn_implementation = attn
-    model = LlamaForCausalLM(cfg).double()
+    model = LlamaForCausalLM(cfg).to(dtype)
     model.config._attn_implementation = attn
     return model
 
@@ -35,9 +35,9 @@ def tokens():
     return torch.randint(0, 96, (1, CU[-1]), generator=torch.Generator().manual_seed(1))
 
 
-def reference():
+def reference(dtype=torch.float64):
     """sdpa, one document per forward: the exact packed-causal semantics."""
-    model = tiny_llama("sdpa")
+    model = tiny_llama("sdpa", dtype)
     ids = tokens()
     logits = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(CU, CU[1:])], dim=1)
     return model, ids, logits
