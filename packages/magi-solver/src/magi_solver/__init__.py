@@ -14,13 +14,14 @@ from .mask_builders import (
 from .overlap import OverlapConfig
 from .planner import DistAttnPlan, RankCalcPlan
 from .ranges import AttnRange, AttnRanges
+from .remap import local_slices, slices_over
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "Band", "DispatchConfig", "DispatchPlan",
     "DistAttnPlan", "GroupCastPlan", "GroupReducePlan", "OverlapConfig", "RankCalcPlan",
-    "auto_chunk_size", "block_causal_slices", "causal_slices", "compute_pad_size", "full_slices",
+    "auto_chunk_size", "block_causal_slices", "causal_slices", "compute_pad_size", "full_slices", "local_slices", "slices_over",
     "shared_prefix_slices", "slice_area", "sliding_window_slices", "solve_dispatch", "total_area",
     "validate_slices", "varlen_slices",
 ]

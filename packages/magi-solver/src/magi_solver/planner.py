@@ -16,8 +16,8 @@ from .dispatch import DispatchConfig, DispatchPlan, solve_dispatch
 from .mask import AttnSlice, Band, validate_slices
 from .overlap import OverlapConfig, best_degree, group_stages, split_remote, stage_costs
 from .ranges import AttnRange, AttnRanges
+from .remap import SliceTuple, slices_over
 
-SliceTuple = tuple[int, int, int, int, int]  # (q_start, q_end, k_start, k_end, mask_type)
 
 
 @dataclass(frozen=True)
@@ -200,27 +200,6 @@ class DistAttnPlan:
         return [rr.total_seqlen for rr in self.remote_ranges]
 
     # -- kernel slices -------------------------------------------------------------------------
-    @staticmethod
-    def _slices_over(bands: list[tuple[int, Band]], ranges: AttnRanges) -> tuple[list[SliceTuple], int]:
-        offsets = ranges.local_offsets()
-        starts = [r.start for r in ranges]
-        out: list[SliceTuple] = []
-        area = 0
-        for dq, b in bands:
-            ext = b.k_extent()
-            if ext is None:
-                continue
-            j = max(bisect.bisect_right(starts, ext[0]) - 1, 0)
-            while j < len(starts) and starts[j] < ext[1]:
-                r = ranges[j]
-                clipped = b.clip_k(r.start, r.end)
-                if clipped is not None:
-                    local = clipped.shift(dq, r.start - offsets[j])
-                    area += local.area()
-                    out.extend(s.to_tuple() for s in local.to_slices())
-                j += 1
-        return out, area
-
     def calc_plan(self, rank: int) -> RankCalcPlan:
         """Kernel slices of ``rank`` for the host stage and every remote stage."""
         if rank not in self._calc_cache:
@@ -229,10 +208,10 @@ class DistAttnPlan:
 
     def _build_calc_plan(self, rank: int) -> RankCalcPlan:
         bands = self._rank_bands(rank)
-        host, host_area = self._slices_over(bands, self.host_ranges[rank])
+        host, host_area = slices_over(bands, self.host_ranges[rank])
         stages, areas = [], []
         for s in range(self.num_stages):
-            sl, a = self._slices_over(bands, self.stage_ranges[s][rank])
+            sl, a = slices_over(bands, self.stage_ranges[s][rank])
             stages.append(tuple(sl))
             areas.append(a)
         return RankCalcPlan(
