@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from magi_attn.launch import finish_worker, free_port
 
 
 def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
@@ -27,11 +22,7 @@ def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         errors.put((rank, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # leave without interpreter teardown: gloo's C++ threads can abort it after all work is done
-    # ("terminate called without an active exception"); failures were reported above
-    os._exit(0)
+        finish_worker()  # failures were reported above
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 600.0) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any
 
 import torch
+
+from magi_attn.launch import finish_worker, free_port
 
 from .config import TrainConfig, register_configs
 
@@ -125,18 +126,9 @@ def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results: Any) ->
         if rank == 0 and results is not None:
             results.put({"losses": losses, "step_s": times})
     finally:
-        dist.destroy_process_group()
-    # A finished worker leaves now: C++ threads of gloo/DeviceMesh can abort the interpreter's
-    # teardown ("terminate called without an active exception") after all work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finish_worker()
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -150,7 +142,7 @@ def run(cfg: Any) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     logger.info("training: %s", tc)
-    mp.start_processes(_worker, args=(tc, _free_port(), world, results), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(tc, free_port(), world, results), nprocs=world, start_method="spawn")
     out = results.get()
     tokens = tc.mask.seqlen * tc.parallel.dp
     med = sorted(out["step_s"])[len(out["step_s"]) // 2]

@@ -6,17 +6,12 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import time
 
+from .launch import finish_worker, free_port
+
 logger = logging.getLogger("magi_attn.cli")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) -> None:
@@ -83,7 +78,7 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
         if err > tol:
             raise SystemExit(f"distributed result differs from the reference by {err} > {tol}")
     dist.barrier()
-    dist.destroy_process_group()
+    finish_worker()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -96,7 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         use_cuda = False
     if args.cp < 1:
         raise SystemExit("--cp must be >= 1")
-    mp.spawn(_run_worker, args=(args, _free_port(), use_cuda), nprocs=args.cp, join=True)
+    mp.spawn(_run_worker, args=(args, free_port(), use_cuda), nprocs=args.cp, join=True)
     return 0
 
 

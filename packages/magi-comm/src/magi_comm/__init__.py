@@ -1,6 +1,7 @@
 """magi-comm: GroupCast / GroupReduce collectives for distributed attention."""
 
 from .group_collective import (
+    COMM_STATS,
     REDUCE_OPS,
     A2AIndexPlan,
     PendingCollective,
@@ -15,6 +16,7 @@ from .group_collective import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "COMM_STATS",
     "A2AIndexPlan", "PendingCollective", "all_gather_rows", "REDUCE_OPS", "cast_index_plan", "group_cast", "group_reduce",
     "lse_scatter_merge", "reduce_index_plan",
 ]

@@ -16,6 +16,10 @@ import torch.distributed as dist
 
 REDUCE_OPS = ("sum", "lse")
 
+# Bytes this process put on / took off the wire in group collectives (self-copies excluded);
+# benchmarks compare them with the plan. Reset with ``COMM_STATS.update(sent=0, received=0)``.
+COMM_STATS = {"sent": 0, "received": 0}
+
 
 @dataclass(frozen=True)
 class A2AIndexPlan:
@@ -128,7 +132,11 @@ def _exchange(
     """Gather send rows of each tensor and start the all-to-alls; returns receive buffers."""
     recv_total = sum(plan.recv_counts)
     bufs, works = [], []
+    me = dist.get_rank(group) if world > 1 else 0
     for t in tensors:
+        row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+        COMM_STATS["sent"] += (sum(plan.send_counts) - plan.send_counts[me]) * row_bytes
+        COMM_STATS["received"] += (recv_total - plan.recv_counts[me]) * row_bytes
         send = t.index_select(0, plan.send_rows.to(t.device))
         recv = t.new_empty((recv_total, *t.shape[1:]))
         if world == 1:
