@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import native
+
 REDUCE_OPS = ("sum", "lse")
 
 # Bytes this process put on / took off the wire in group collectives (self-copies excluded);
@@ -70,6 +72,12 @@ def cast_index_plan(
     for d in dst_indices:
         _check_ranks(d, world, "dst_indices")
     _check_ranks(src_index, world, "src_index")
+    if native.AVAILABLE:  # same construction in C++: planning cost grows with rows
+        return A2AIndexPlan(*native.cast_index_rows(input_split_sizes, dst_indices, output_split_sizes, src_index, world))
+    return _cast_index_plan_py(input_split_sizes, dst_indices, output_split_sizes, src_index, world)
+
+
+def _cast_index_plan_py(input_split_sizes, dst_indices, output_split_sizes, src_index, world) -> A2AIndexPlan:
     in_off, out_off = _split_offsets(input_split_sizes), _split_offsets(output_split_sizes)
     send, send_counts = [], []
     for dst in range(world):
@@ -137,7 +145,7 @@ def _exchange(
         row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
         COMM_STATS["sent"] += (sum(plan.send_counts) - plan.send_counts[me]) * row_bytes
         COMM_STATS["received"] += (recv_total - plan.recv_counts[me]) * row_bytes
-        send = t.index_select(0, plan.send_rows.to(t.device))
+        send = native.range_gather(t, plan.send_rows)
         recv = t.new_empty((recv_total, *t.shape[1:]))
         if world == 1:
             recv.copy_(send)

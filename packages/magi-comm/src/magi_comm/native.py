@@ -1,0 +1,44 @@
+"""The optional native extension ``magi_comm._native`` (scikit-build-core + CMake + pybind11).
+
+``AVAILABLE`` / ``WITH_CUDA`` say what was built; ``REASON`` says why not, and the fallback is
+logged once at import. Every entry point has a pure-torch equivalent used when it is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    from . import _native  # type: ignore[attr-defined]
+
+    AVAILABLE, WITH_CUDA, REASON = True, bool(_native.WITH_CUDA), ""
+except ImportError as e:  # not built (MAGI_SKIP_NATIVE, no compiler) or failed build
+    _native = None
+    AVAILABLE, WITH_CUDA, REASON = False, False, f"magi_comm._native not importable ({e})"
+    logger.info("magi-comm: native extension unavailable, using the pure-Python path: %s", REASON)
+
+
+def cast_index_rows(input_split_sizes, dst_indices, output_split_sizes, src_index, world):
+    """C++ twin of the row-index construction (same result as the Python one)."""
+    send, send_counts, recv, recv_counts = _native.cast_index_plan(
+        list(input_split_sizes), [list(d) for d in dst_indices], list(output_split_sizes), list(src_index), world
+    )
+    as_t = lambda b: torch.frombuffer(bytearray(b), dtype=torch.int64) if b else torch.empty(0, dtype=torch.long)  # noqa: E731
+    return as_t(send), tuple(send_counts), as_t(recv), tuple(recv_counts)
+
+
+def range_gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` along dim 0 with the fused CUDA kernel (CUDA tensors, native build with CUDA),
+    else ``index_select``."""
+    if not (WITH_CUDA and x.is_cuda and x.is_contiguous()):
+        return x.index_select(0, index.to(x.device))
+    idx = index.to(device=x.device, dtype=torch.int64).contiguous()
+    out = x.new_empty((idx.numel(), *x.shape[1:]))
+    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+    _native.range_gather(x.data_ptr(), out.data_ptr(), idx.data_ptr(), idx.numel(), row_bytes,
+                         torch.cuda.current_stream(x.device).cuda_stream)
+    return out
