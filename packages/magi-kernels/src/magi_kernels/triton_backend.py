@@ -53,10 +53,22 @@ def _layers(slices: tuple[tuple[int, ...], ...], axis: int) -> list[list[int]]:
     return layers
 
 
+try:
+    from . import _native  # C++ tile tables (same result as _layers below)
+except ImportError:
+    _native = None
+
+
+def _i32(b: bytes, device: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.int32).to(device) if b else torch.empty(0, dtype=torch.int32, device=device)
+
+
 @functools.lru_cache(maxsize=256)
 def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str):
     """Per layer: (tile -> slice index, tile start) int32 tensors and the slice table."""
     meta = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5).to(device)
+    if _native is not None:
+        return meta, [(_i32(a, device), _i32(b, device), n) for a, b, n in _native.tiles(list(slices), axis, block)]
     out = []
     for layer in _layers(slices, axis):
         sid, start = [], []
