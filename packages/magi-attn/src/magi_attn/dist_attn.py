@@ -49,7 +49,7 @@ class DistAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rt: DistAttnRuntime, scale: float, softcap: float, backend: str):
         hk = k.shape[1]
-        host, stages, merged = rt.slice_args(q.device)
+        host, stages, merged = rt.slice_args()
         kv = torch.cat([k, v], dim=1)  # one collective for K and V
         n = len(stages)
         if rt.no_overlap and n:
@@ -77,7 +77,7 @@ class DistAttnFunction(torch.autograd.Function):
         rt: DistAttnRuntime = ctx.rt
         scale, softcap, backend = ctx.scale, ctx.softcap, ctx.backend
         hk = k.shape[1]
-        host, stages, merged = rt.slice_args(q.device)
+        host, stages, merged = rt.slice_args()
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
         kv = torch.cat([k, v], dim=1)

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SliceArgs:
-    """Kernel slice metadata on one device."""
+    """Kernel slice metadata (CPU int32 tensors)."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
@@ -25,10 +25,9 @@ class SliceArgs:
     area: int
 
     @classmethod
-    def build(cls, slices, area: int, device: torch.device) -> "SliceArgs":
+    def build(cls, slices, area: int) -> "SliceArgs":
         t = torch.tensor(list(slices), dtype=torch.int32).reshape(-1, 5)
-        return cls(t[:, 0:2].contiguous().to(device), t[:, 2:4].contiguous().to(device),
-                   t[:, 4].contiguous().to(device), area)
+        return cls(t[:, 0:2].contiguous(), t[:, 2:4].contiguous(), t[:, 4].contiguous(), area)
 
     @property
     def empty(self) -> bool:
@@ -57,19 +56,21 @@ class DistAttnRuntime:
         self.calc = calc
         self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]
         self.reduce_plans: list[GroupReducePlan] = [p.transpose() for p in self.cast_plans]
-        self._device_args: dict[torch.device, tuple[SliceArgs, list[SliceArgs], SliceArgs]] = {}
+        self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
         logger.debug("rank %d runtime: %s", rank, plan.summary())
 
     @property
     def no_overlap(self) -> bool:
         return self.config.overlap.degree == 0
 
-    def slice_args(self, device: torch.device) -> tuple[SliceArgs, list[SliceArgs], SliceArgs]:
-        """(host args, per-stage args, merged args over cat(local, remote KV)) on ``device``."""
-        if device not in self._device_args:
+    def slice_args(self) -> tuple[SliceArgs, list[SliceArgs], SliceArgs]:
+        """(host args, per-stage args, merged args over cat(local, remote KV)). The metadata
+        stays on the CPU: the kernels read it without a device sync (the GPU backend uploads
+        its tile tables once and caches them)."""
+        if self._slice_args is None:
             c = self.calc
-            host = SliceArgs.build(c.host, c.host_area, device)
-            stages = [SliceArgs.build(s, a, device) for s, a in zip(c.stages, c.stage_areas)]
-            merged = SliceArgs.build(c.merged(self.shard_seqlen), c.host_area + sum(c.stage_areas), device)
-            self._device_args[device] = (host, stages, merged)
-        return self._device_args[device]
+            host = SliceArgs.build(c.host, c.host_area)
+            stages = [SliceArgs.build(s, a) for s, a in zip(c.stages, c.stage_areas)]
+            merged = SliceArgs.build(c.merged(self.shard_seqlen), c.host_area + sum(c.stage_areas))
+            self._slice_args = (host, stages, merged)
+        return self._slice_args

@@ -158,7 +158,9 @@ def flex_flash_attn_func(
         out, lse: a previous partial result for the same rows over *other* keys; the new result
             is LSE-merged with it (stages chain this way). They are not modified.
         backend: ``"auto"``, ``"torch"`` (reference, CPU/GPU) or ``"triton"`` (GPU).
-        check_ranges: validate ranges on the host (a device sync on GPU); disable in hot loops.
+        check_ranges: validate ranges on the host (a device sync when the ranges live on the GPU).
+            Ranges given as lists or CPU tensors cost no device sync at all: the GPU backend
+            uploads the tile tables once and caches them.
 
     Returns:
         ``(out, lse)``: out ``[total_q, heads_q, head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
@@ -167,7 +169,7 @@ def flex_flash_attn_func(
     """
     check_qkv(q, k, v)
     check_accumulators(out, lse, q)
-    st = normalize_slices(q_ranges, k_ranges, attn_type_map, q.device)
+    st = normalize_slices(q_ranges, k_ranges, attn_type_map)
     if check_ranges:
         check_slices_host(st.q_ranges.tolist(), st.k_ranges.tolist(), st.attn_type_map.tolist(), q.shape[0], k.shape[0])
     if softcap < 0 or not math.isfinite(softcap):

@@ -12,14 +12,14 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class SliceTensors:
-    """Slice metadata as int32 tensors on the tensors' device."""
+    """Slice metadata as int32 tensors."""
 
     q_ranges: torch.Tensor  # [N, 2]
-    k_ranges: torch.Tensor  # [N, 2]
+    k_ranges: torch.Tensor  # [N, 2], same device as q_ranges
     attn_type_map: torch.Tensor  # [N]
 
 
-def _as_range_tensor(x: Any, name: str, device: torch.device) -> torch.Tensor:
+def _as_range_tensor(x: Any, name: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         t = x
     else:
@@ -30,26 +30,26 @@ def _as_range_tensor(x: Any, name: str, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name} must have shape [num_slices, 2] (half-open [start, end) rows), got {tuple(t.shape)}")
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an integer tensor (int32), got {t.dtype}")
-    return t.to(device=device, dtype=torch.int32).contiguous()
+    return t.to(dtype=torch.int32).contiguous()
 
 
-def normalize_slices(
-    q_ranges: Any, k_ranges: Any, attn_type_map: Any, device: torch.device
-) -> SliceTensors:
-    qr = _as_range_tensor(q_ranges, "q_ranges", device)
-    kr = _as_range_tensor(k_ranges, "k_ranges", device)
+def normalize_slices(q_ranges: Any, k_ranges: Any, attn_type_map: Any) -> SliceTensors:
+    """int32 tensors of the slice metadata. Lists become CPU tensors and tensors keep their
+    device: metadata on the CPU needs no device sync (the GPU backend uploads and caches it)."""
+    qr = _as_range_tensor(q_ranges, "q_ranges")
+    kr = _as_range_tensor(k_ranges, "k_ranges")
     if qr.shape[0] != kr.shape[0]:
         raise ValueError(f"q_ranges has {qr.shape[0]} slices but k_ranges has {kr.shape[0]}; they must match")
     n = qr.shape[0]
     if attn_type_map is None:
-        tm = torch.zeros(n, dtype=torch.int32, device=device)
+        tm = torch.zeros(n, dtype=torch.int32, device=qr.device)
     elif isinstance(attn_type_map, torch.Tensor):
-        tm = attn_type_map.to(device=device, dtype=torch.int32).reshape(-1)
+        tm = attn_type_map.to(device=qr.device, dtype=torch.int32).reshape(-1)
     else:
         from magi_solver import AttnMaskType
 
         items = [attn_type_map] * n if isinstance(attn_type_map, (str, int)) else list(attn_type_map)
-        tm = torch.tensor([int(AttnMaskType.parse(t)) for t in items], dtype=torch.int32).to(device)
+        tm = torch.tensor([int(AttnMaskType.parse(t)) for t in items], dtype=torch.int32).to(qr.device)
     if tm.shape[0] != n:
         raise ValueError(f"attn_type_map has {tm.shape[0]} entries but there are {n} slices")
     return SliceTensors(qr, kr, tm.contiguous())
