@@ -55,9 +55,9 @@ def run(args):
             slices = make_mask(mask, S, window=args.window, block=args.block, seed=0)
             area = sum(s.area for s in slices)
             fl_f = 4 * area * hq * d
-            qr = torch.tensor([s.q_range.to_tuple() for s in slices], dtype=torch.int32, device=dev)
-            kr = torch.tensor([s.k_range.to_tuple() for s in slices], dtype=torch.int32, device=dev)
-            tm = torch.tensor([int(s.mask_type) for s in slices], dtype=torch.int32, device=dev)
+            qr = torch.tensor([s.q_range.to_tuple() for s in slices], dtype=torch.int32)  # CPU: no sync
+            kr = torch.tensor([s.k_range.to_tuple() for s in slices], dtype=torch.int32)
+            tm = torch.tensor([int(s.mask_type) for s in slices], dtype=torch.int32)
             torch.manual_seed(0)
             q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
             k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
