@@ -98,3 +98,16 @@ def test_batch_size_error():
     q = torch.randn(2, 4, 8, 16)
     with pytest.raises(ValueError, match="packed batches of size 1"):
         magi_attention_forward(torch.nn.Module(), q, q[:, :2], q[:, :2], None)
+
+
+def test_from_pretrained_with_magi(tmp_path):
+    """save_pretrained / from_pretrained(..., attn_implementation="magi") works offline."""
+    from transformers import LlamaForCausalLM
+
+    ref_model, ids, ref_logits = reference()
+    ref_model.save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="magi", torch_dtype=torch.float64)
+    assert model.config._attn_implementation == "magi"
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(CU, CU[1:])])[None]
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(logits, ref_logits, atol=1e-10, rtol=0)
