@@ -70,8 +70,10 @@ py::tuple cast_index_plan(const Splits& input_split_sizes, const RankSets& dst_i
 }  // namespace
 
 #ifdef MAGI_WITH_CUDA
-void range_gather(uintptr_t src, uintptr_t dst, uintptr_t index, int64_t n_rows, int64_t row_bytes, uintptr_t stream);
-void scatter_add_f32(uintptr_t src, uintptr_t dst, uintptr_t index, int64_t n_rows, int64_t row_elems, uintptr_t stream);
+void copy_rows(uintptr_t src, uintptr_t dst, uintptr_t src_index, uintptr_t dst_index, int64_t n_rows, int64_t row_bytes,
+               uintptr_t stream);
+void add_rows_f32(uintptr_t src, uintptr_t dst, uintptr_t src_index, uintptr_t dst_index, int64_t n_rows, int64_t row_elems,
+                  uintptr_t stream);
 #endif
 
 PYBIND11_MODULE(_native, m) {
@@ -80,10 +82,13 @@ PYBIND11_MODULE(_native, m) {
         py::arg("output_split_sizes"), py::arg("src_index"), py::arg("world"));
 #ifdef MAGI_WITH_CUDA
   m.attr("WITH_CUDA") = true;
-  m.def("range_gather", &range_gather, "dst[i] = src[index[i]] for rows of row_bytes bytes (int64 index on device)",
-        py::arg("src"), py::arg("dst"), py::arg("index"), py::arg("n_rows"), py::arg("row_bytes"), py::arg("stream"));
-  m.def("scatter_add_f32", &scatter_add_f32, "dst[index[i]] += src[i] for fp32 rows (atomic, repeats allowed)",
-        py::arg("src"), py::arg("dst"), py::arg("index"), py::arg("n_rows"), py::arg("row_elems"), py::arg("stream"));
+  m.def("copy_rows", &copy_rows,
+        "dst[dst_index[i]] = src[src_index[i]] for rows of row_bytes bytes; an index pointer of 0 means identity",
+        py::arg("src"), py::arg("dst"), py::arg("src_index"), py::arg("dst_index"), py::arg("n_rows"), py::arg("row_bytes"),
+        py::arg("stream"));
+  m.def("add_rows_f32", &add_rows_f32, "dst[dst_index[i]] += src[src_index[i]] for fp32 rows (atomic: repeats allowed)",
+        py::arg("src"), py::arg("dst"), py::arg("src_index"), py::arg("dst_index"), py::arg("n_rows"), py::arg("row_elems"),
+        py::arg("stream"));
 #else
   m.attr("WITH_CUDA") = false;
 #endif

@@ -31,6 +31,28 @@ def cast_index_rows(input_split_sizes, dst_indices, output_split_sizes, src_inde
     return as_t(send), tuple(send_counts), as_t(recv), tuple(recv_counts)
 
 
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor | None, dst_index: torch.Tensor | None) -> None:
+    """``dst[dst_index] = src[src_index]`` along dim 0 in one CUDA launch (indices: int64 on the
+    device, ``None`` = identity). ``dst`` may be a CUDA IPC mapping of another process's memory."""
+    n = (src_index if src_index is not None else dst_index if dst_index is not None else src).shape[0]
+    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+    _native.copy_rows(src.data_ptr(), dst.data_ptr(), _ptr(src_index), _ptr(dst_index), n, row_bytes,
+                      torch.cuda.current_stream(src.device).cuda_stream)
+
+
+def add_rows_f32(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor | None, dst_index: torch.Tensor | None) -> None:
+    """``dst[dst_index] += src[src_index]`` for fp32 rows with atomics (repeated rows allowed)."""
+    if src.dtype != torch.float32 or dst.dtype != torch.float32:
+        raise TypeError(f"add_rows_f32 needs float32 tensors, got {src.dtype} and {dst.dtype}")
+    n = (src_index if src_index is not None else dst_index if dst_index is not None else src).shape[0]
+    _native.add_rows_f32(src.data_ptr(), dst.data_ptr(), _ptr(src_index), _ptr(dst_index), n,
+                         src[0].numel() if src.shape[0] else 0, torch.cuda.current_stream(src.device).cuda_stream)
+
+
 def range_gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` along dim 0 with the fused CUDA kernel (CUDA tensors, native build with CUDA),
     else ``index_select``."""
@@ -38,7 +60,5 @@ def range_gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x.index_select(0, index.to(x.device))
     idx = index.to(device=x.device, dtype=torch.int64).contiguous()
     out = x.new_empty((idx.numel(), *x.shape[1:]))
-    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
-    _native.range_gather(x.data_ptr(), out.data_ptr(), idx.data_ptr(), idx.numel(), row_bytes,
-                         torch.cuda.current_stream(x.device).cuda_stream)
+    copy_rows(x, out, idx, None)
     return out
