@@ -7,6 +7,8 @@ for p in magi-solver magi-kernels magi-comm magi-attn; do
   python3 -m pip install -q --no-build-isolation --no-deps -e packages/$p > $OUT/install_$p.log 2>&1 || echo "install $p failed"
 done
 export PYTHONPATH=$PWD/packages/magi-solver/src:$PWD/packages/magi-attn/src
+python3 -c "import magi_comm, magi_kernels" 2>/dev/null || { echo "native installs failed: pure-Python paths"; \
+  export PYTHONPATH=$PYTHONPATH:$PWD/packages/magi-comm/src:$PWD/packages/magi-kernels/src; tail -5 $OUT/install_magi-comm.log; }
 python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; print('native comm', n.AVAILABLE, n.WITH_CUDA, n.REASON, '| kernels', t._native is not None)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 150 python3 -m pytest -x -q tests/test_triton_gpu.py tests/test_native.py 2>&1 | tail -3
