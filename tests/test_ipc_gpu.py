@@ -43,3 +43,30 @@ def ipc_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ipc_matches_torch_distributed(world):
     run_distributed(ipc_worker, world)
+
+
+def ipc_attn_worker(rank, world):
+    """calc_attn with comm_backend="ipc" (GPU, processes sharing one GPU) equals the same run
+    with the a2a backend on the CPU."""
+    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_varlen_key, undispatch
+
+    torch.cuda.set_device(0)
+    cu = [0, 100, 101, 260, 300]
+    outs, grads = [], []
+    for comm, dev in (("a2a", "cpu"), ("ipc", "cuda")):
+        cfg = DistAttnConfig(DispatchConfig(chunk_size=16), OverlapConfig(degree=2, min_chunk_size=16),
+                             kernel_backend="torch", comm_backend=comm)
+        key = magi_attn_varlen_key(cu, cu, 4, 2, 32, dist.group.WORLD, causal=True, dist_attn_config=cfg)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(300, h, 32, generator=g).to(dev).requires_grad_() for h in (4, 2, 2))
+        out = undispatch(calc_attn(dispatch(q, key), dispatch(k, key), dispatch(v, key), key)[0], key)
+        out.square().sum().backward()
+        outs.append(out.detach().cpu())
+        grads.append([t.grad.cpu() for t in (q, k, v)])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_ipc_backend_in_calc_attn():
+    run_distributed(ipc_attn_worker, 2)

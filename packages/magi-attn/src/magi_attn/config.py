@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from magi_kernels import BACKENDS
 from magi_solver import DispatchConfig, OverlapConfig
 
-__all__ = ["DistAttnConfig", "DispatchConfig", "OverlapConfig"]
+__all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "OverlapConfig"]
+
+COMM_BACKENDS = ("a2a", "ipc")
 
 
 @dataclass(frozen=True)
@@ -18,11 +20,15 @@ class DistAttnConfig:
         dispatch: chunking and load balancing (:class:`magi_solver.DispatchConfig`).
         overlap: multi-stage overlap of GroupCast with attention (:class:`magi_solver.OverlapConfig`).
         kernel_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``magi_kernels``).
+        comm_backend: ``"a2a"`` (torch.distributed all_to_all_single: gloo or NCCL, any
+            topology) or ``"ipc"`` (CUDA IPC peer writes inside one host; needs the native
+            extension built with CUDA).
     """
 
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kernel_backend: str = "auto"
+    comm_backend: str = "a2a"
 
     def __post_init__(self) -> None:
         if not isinstance(self.dispatch, DispatchConfig):
@@ -31,3 +37,5 @@ class DistAttnConfig:
             raise TypeError(f"DistAttnConfig.overlap must be an OverlapConfig, got {type(self.overlap).__name__}")
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"DistAttnConfig.kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")
+        if self.comm_backend not in COMM_BACKENDS:
+            raise ValueError(f"DistAttnConfig.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")

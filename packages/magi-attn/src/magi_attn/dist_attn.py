@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from magi_comm import group_cast, group_reduce
+from magi_comm import PendingCollective, group_cast, group_reduce
 from magi_kernels import ffa_bwd, ffa_fwd, merge_out_lse
 
 from .runtime import DistAttnRuntime, SliceArgs
@@ -18,18 +18,24 @@ from .runtime import DistAttnRuntime, SliceArgs
 
 def _cast_kv(kv: torch.Tensor, rt: DistAttnRuntime, stage: int):
     p = rt.cast_plans[stage]
-    return group_cast(
-        kv, input_split_sizes=p.input_split_sizes, output_split_sizes=p.output_split_sizes,
-        dst_indices=p.dst_indices, src_index=p.src_index, group=rt.group, async_op=True,
-    )
+    kw = dict(input_split_sizes=p.input_split_sizes, output_split_sizes=p.output_split_sizes,
+              dst_indices=p.dst_indices, src_index=p.src_index)
+    ipc = rt.ipc(kv)
+    if ipc is not None:  # synchronous peer writes: hand back a finished handle
+        out = ipc.group_cast(kv, **kw)
+        return PendingCollective([], lambda: out)
+    return group_cast(kv, group=rt.group, async_op=True, **kw)
 
 
 def _reduce_dkv(part: torch.Tensor, dkv: torch.Tensor, rt: DistAttnRuntime, stage: int):
     p = rt.reduce_plans[stage]
-    return group_reduce(
-        part, dkv, input_split_sizes=p.input_split_sizes, output_split_sizes=p.output_split_sizes,
-        dst_index=p.dst_index, src_indices=p.src_indices, group=rt.group, op="sum", async_op=True,
-    )
+    kw = dict(input_split_sizes=p.input_split_sizes, output_split_sizes=p.output_split_sizes,
+              dst_index=p.dst_index, src_indices=p.src_indices)
+    ipc = rt.ipc(part)
+    if ipc is not None and dkv.dtype == torch.float32:
+        ipc.group_reduce(part, dkv, **kw)
+        return PendingCollective([], lambda: dkv)
+    return group_reduce(part, dkv, group=rt.group, op="sum", async_op=True, **kw)
 
 
 def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend):

@@ -57,7 +57,22 @@ class DistAttnRuntime:
         self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]
         self.reduce_plans: list[GroupReducePlan] = [p.transpose() for p in self.cast_plans]
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
+        self._ipc = None
         logger.debug("rank %d runtime: %s", rank, plan.summary())
+
+    def ipc(self, kv: torch.Tensor):
+        """The CUDA IPC collectives of this runtime (built on first use, sized for the largest
+        stage of this plan), or None with the a2a backend."""
+        if self.config.comm_backend != "ipc":
+            return None
+        if self._ipc is None:
+            from magi_comm.ipc import IpcGroupCollectives
+
+            row = kv[0].numel()
+            most = max([self.shard_seqlen] + [p.output_rows for p in self.cast_plans])
+            nbytes = most * row * max(kv.element_size(), 4) + 256
+            self._ipc = IpcGroupCollectives(self.group, nbytes, kv.device)
+        return self._ipc
 
     @property
     def no_overlap(self) -> bool:
