@@ -107,3 +107,16 @@ def test_single_process_and_errors():
         group_cast(x, input_split_sizes=[6], output_split_sizes=[6], dst_indices=[[3]], src_index=[0])
     with pytest.raises(ValueError, match="op must be"):
         group_reduce(x, x.clone(), input_split_sizes=[6], output_split_sizes=[6], dst_index=[0], src_indices=[[0]], op="max")
+
+
+def test_ipc_backend_reports_why_it_cannot_run():
+    import torch
+
+    from magi_comm.ipc import IpcArena, ipc_supported
+
+    ok, why = ipc_supported()
+    if torch.cuda.is_available() and ok:
+        pytest.skip("CUDA present: covered by tests/test_ipc_gpu.py")
+    assert not ok and why
+    with pytest.raises(RuntimeError, match="CUDA IPC group collectives are unavailable"):
+        IpcArena(None, 1024, torch.device("cpu"))
