@@ -13,7 +13,6 @@ python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; prin
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 150 python3 -m pytest -x -q tests/test_triton_gpu.py tests/test_native.py 2>&1 | tail -3
 timeout 90 python3 -m pytest -x -q tests/test_ipc_gpu.py 2>&1 | tail -3
-timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
 SUM='import sys,json
 for l in sys.stdin:
     r=json.loads(l); f=lambda p:" ".join(f"{k.split(chr(95))[0]}:{r.get(k,0):.0f}" for k in (f"magi_{p}_tflops",f"flex_{p}_tflops",f"cudnn_{p}_tflops")); print(r["seqlen"],r["mask"],"fwd",f("fwd"),"| bwd",f("bwd"),"| meta_ms",round(r["magi_meta_ms"],3))'
@@ -24,3 +23,4 @@ if [ -n "${V3:-}" ]; then
   timeout 120 python3 -m pytest -x -q tests/test_triton_gpu.py 2>&1 | tail -2 && \
   timeout 100 python3 bench/bench_kernels.py --no-peers --seqlens 16384 --masks full varlen_causal --out $OUT/v3.json 2>&1 | grep '^{' | python3 -c "$SUM"
 fi
+timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
