@@ -123,3 +123,14 @@ class TestErrors:
             flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 8)], backend="triton")
         with pytest.raises(ValueError, match="both out and lse"):
             flex_flash_attn_func(q, k, v, [(0, 8)], [(0, 8)], out=torch.zeros_like(q))
+
+
+def test_gpu_backend_metadata_memo_tracks_in_place_changes():
+    from magi_kernels import triton_backend as tb
+
+    qr = torch.tensor([[0, 4], [4, 8]], dtype=torch.int32)
+    kr, tm = qr.clone(), torch.tensor([1, 0], dtype=torch.int32)
+    first = tb._host_tuple(qr, kr, tm)
+    assert tb._host_tuple(qr, kr, tm) is first
+    kr[1, 1] = 6  # in place: must not serve the stale table
+    assert tb._host_tuple(qr, kr, tm) == ((0, 4, 0, 4, 1), (4, 8, 4, 6, 0))

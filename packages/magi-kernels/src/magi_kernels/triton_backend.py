@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 
@@ -248,9 +249,21 @@ def _bwd_config(d: int) -> tuple[int, int, int, int]:
     return _env_config("MAGI_TRITON_BWD_CFG", (64, 64, 8, 2) if d == 128 else (64, 64, 4, 2))
 
 
+_TUPLES: dict[int, tuple] = {}  # id(q_ranges) -> (weakref, stamp, slice tuple); entries die with the tensor
+
+
 def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """Slice table as a hashable tuple, memoised per range tensor (and its in-place version
+    counters), so repeated calls with the same metadata cost a dictionary lookup."""
+    key = id(q_ranges)
+    stamp = (id(k_ranges), id(types), q_ranges._version, k_ranges._version, types._version)
+    hit = _TUPLES.get(key)
+    if hit is not None and hit[0]() is q_ranges and hit[1] == stamp:
+        return hit[2]
     t = torch.cat([q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1, 1)], dim=1).tolist()
-    return tuple(tuple(r) for r in t)
+    value = tuple(tuple(r) for r in t)
+    _TUPLES[key] = (weakref.ref(q_ranges, lambda _, k=key: _TUPLES.pop(k, None)), stamp, value)
+    return value
 
 
 def _check(q: torch.Tensor, k: torch.Tensor) -> None:
