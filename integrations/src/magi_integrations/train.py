@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import tempfile
 import sys
 import time
 from typing import Any
@@ -64,7 +66,7 @@ def build_model(cfg: TrainConfig, attn: str, dtype: torch.dtype, device: torch.d
     return model
 
 
-def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results: Any) -> None:
+def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results_path: str) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -123,8 +125,9 @@ def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results: Any) ->
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tok_s:,.0f}")
             if rank == 0:
                 logger.info("step %d loss %.5f tokens/s %.0f", step, mean_loss, tok_s)
-        if rank == 0 and results is not None:
-            results.put({"losses": losses, "step_s": times})
+        if rank == 0:  # a file, not a queue: workers leave with os._exit (see finish_worker)
+            with open(results_path, "w") as f:
+                json.dump({"losses": losses, "step_s": times}, f)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -139,11 +142,15 @@ def run(cfg: Any) -> dict[str, Any]:
     world = tc.parallel.dp * tc.parallel.cp
     if tc.parallel.device == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"parallel.device=cuda needs {world} GPUs, found {torch.cuda.device_count()}")
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    fd, results_path = tempfile.mkstemp(prefix="magi-train-", suffix=".json")
+    os.close(fd)
     logger.info("training: %s", tc)
-    mp.start_processes(_worker, args=(tc, free_port(), world, results), nprocs=world, start_method="spawn")
-    out = results.get()
+    try:
+        mp.start_processes(_worker, args=(tc, free_port(), world, results_path), nprocs=world, start_method="spawn")
+        with open(results_path) as f:
+            out = json.load(f)
+    finally:
+        os.unlink(results_path)
     tokens = tc.mask.seqlen * tc.parallel.dp
     med = sorted(out["step_s"])[len(out["step_s"]) // 2]
     out.update(first_loss=out["losses"][0], last_loss=out["losses"][-1], tokens_per_s=tokens / med)
