@@ -138,7 +138,7 @@ def plot(rows, path, title):
 
     seqlens = sorted({r["seqlen"] for r in rows})
     masks = [m for m in MASKS if any(r["mask"] == m for r in rows)]
-    fig, axes = plt.subplots(2, len(seqlens), figsize=(5 * len(seqlens), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(seqlens), figsize=(max(7.5, 5 * len(seqlens)), 7), squeeze=False)
     for j, S in enumerate(seqlens):
         for i, pas in enumerate(("fwd", "bwd")):
             ax = axes[i][j]
@@ -151,7 +151,7 @@ def plot(rows, path, title):
             ax.set_title(f"{pas}, {S // 1024}k tokens")
             ax.set_ylabel("TFLOP/s (unmasked area)")
             ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
