@@ -19,17 +19,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-_orig_patch_tensor = interpreter._patch_lang_tensor
+_orig_patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
 
 
 def _patch_tensor(tensor, scope):
-    """numpy 2 refuses int() of a 1-element 1-d array, which triton 3.x's interpreter does for
+    """numpy 2 refuses int() of a 1-element 1-d array, which triton 3.6's interpreter does for
     loop bounds loaded from memory; take the element explicitly."""
     _orig_patch_tensor(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
 
-interpreter._patch_lang_tensor = _patch_tensor
+if _orig_patch_tensor is not None:
+    interpreter._patch_lang_tensor = _patch_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cases import mask_cases  # noqa: E402
