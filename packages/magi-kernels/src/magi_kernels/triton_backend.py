@@ -90,6 +90,23 @@ if AVAILABLE:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _load_slice(META, sid):
+        """(qs, qe, ks, ke, inv_causal, causal) of slice ``sid``."""
+        qs = tl.load(META + sid * 5 + 0)
+        qe = tl.load(META + sid * 5 + 1)
+        ks = tl.load(META + sid * 5 + 2)
+        ke = tl.load(META + sid * 5 + 3)
+        t = tl.load(META + sid * 5 + 4)
+        return qs, qe, ks, ke, (t & 2) != 0, (t & 1) != 0
+
+    @triton.jit
+    def _row_bounds(rows, qs, qe, ks, ke, inv, cau):
+        """Per-row visible keys [lo, hi): INVCAUSAL top-left, CAUSAL bottom-right."""
+        lo = tl.where(inv, ks + rows - qs, ks)
+        hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
+        return lo, hi
+
+    @triton.jit
     def _fwd_kernel(
         Q, K, V, O, LSE, META, TILE_S, TILE_M,
         sqt, sqh, skt, skh, sot, soh, slt, slh,
@@ -102,18 +119,10 @@ if AVAILABLE:
         hk = h // GROUP
         sid = tl.load(TILE_S + tile)
         m0 = tl.load(TILE_M + tile)
-        qs = tl.load(META + sid * 5 + 0)
-        qe = tl.load(META + sid * 5 + 1)
-        ks = tl.load(META + sid * 5 + 2)
-        ke = tl.load(META + sid * 5 + 3)
-        t = tl.load(META + sid * 5 + 4)
-        inv = (t & 2) != 0
-        cau = (t & 1) != 0
+        qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
         rows = m0 + tl.arange(0, BM)
         rmask = rows < qe
-        lo = tl.where(inv, ks + rows - qs, ks)
-        hi = tl.where(cau, rows + ke - qe + 1, ke)
-        hi = tl.minimum(hi, ke)
+        lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
         last = tl.minimum(m0 + BM, qe) - 1
         k_lo = tl.where(inv, ks + m0 - qs, ks)
         k_hi = tl.minimum(tl.where(cau, last + ke - qe + 1, ke), ke)
@@ -177,13 +186,7 @@ if AVAILABLE:
         hk = h // GROUP
         sid = tl.load(TILE_S + tile)
         n0 = tl.load(TILE_N + tile)
-        qs = tl.load(META + sid * 5 + 0)
-        qe = tl.load(META + sid * 5 + 1)
-        ks = tl.load(META + sid * 5 + 2)
-        ke = tl.load(META + sid * 5 + 3)
-        t = tl.load(META + sid * 5 + 4)
-        inv = (t & 2) != 0
-        cau = (t & 1) != 0
+        qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
         cols = n0 + tl.arange(0, BN)
         cmask = cols < ke
         n_last = tl.minimum(n0 + BN, ke) - 1
@@ -206,8 +209,7 @@ if AVAILABLE:
             if HAS_SOFTCAP:
                 th = _tanh(s / softcap)
                 s = softcap * th
-            lo = tl.where(inv, ks + rows - qs, ks)
-            hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
+            lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
             vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & rmask[:, None]
             vis = vis & (lse[:, None] != float("-inf"))
             lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
