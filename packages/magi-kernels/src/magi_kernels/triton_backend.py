@@ -100,6 +100,13 @@ if AVAILABLE:
         return qs, qe, ks, ke, (t & 2) != 0, (t & 1) != 0
 
     @triton.jit
+    def _tile_of(TILE_S, TILE_START, GROUP: tl.constexpr):
+        """(query head, kv head, slice index, first row) of this program's tile."""
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        return h, h // GROUP, tl.load(TILE_S + tile), tl.load(TILE_START + tile)
+
+    @triton.jit
     def _row_bounds(rows, qs, qe, ks, ke, inv, cau):
         """Per-row visible keys [lo, hi): INVCAUSAL top-left, CAUSAL bottom-right."""
         lo = tl.where(inv, ks + rows - qs, ks)
@@ -114,11 +121,7 @@ if AVAILABLE:
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
-        hk = h // GROUP
-        sid = tl.load(TILE_S + tile)
-        m0 = tl.load(TILE_M + tile)
+        h, hk, sid, m0 = _tile_of(TILE_S, TILE_M, GROUP)
         qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
         rows = m0 + tl.arange(0, BM)
         rmask = rows < qe
@@ -181,11 +184,7 @@ if AVAILABLE:
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
-        hk = h // GROUP
-        sid = tl.load(TILE_S + tile)
-        n0 = tl.load(TILE_N + tile)
+        h, hk, sid, n0 = _tile_of(TILE_S, TILE_N, GROUP)
         qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
         cols = n0 + tl.arange(0, BN)
         cmask = cols < ke
