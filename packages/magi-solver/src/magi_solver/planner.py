@@ -7,7 +7,6 @@ lazily, only for the rank that asks.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,7 +15,7 @@ from .dispatch import DispatchConfig, DispatchPlan, solve_dispatch
 from .mask import AttnSlice, Band, validate_slices
 from .overlap import OverlapConfig, best_degree, group_stages, split_remote, stage_costs
 from .ranges import AttnRange, AttnRanges
-from .remap import SliceTuple, slices_over
+from .remap import SliceTuple, areas_over, slices_over
 
 
 
@@ -94,33 +93,13 @@ class DistAttnPlan:
         to_s_calc = flop_per_cell / (cfg.compute_tflops * 1e12)
         to_s_comm = byte_per_token / (cfg.comm_gbps * 1e9)
         flat = [(r, i) for i, ch in enumerate(chunks) for r in ch]
-        starts = [r.start for r, _ in flat]
-        calc = [0.0] * len(chunks)
         bands = self._rank_bands(rank)
-        for _, b in bands:
-            ext = b.k_extent()
-            if ext is None:
-                continue
-            j = max(bisect.bisect_right(starts, ext[0]) - 1, 0)
-            while j < len(flat) and flat[j][0].start < ext[1]:
-                r, i = flat[j]
-                clipped = b.clip_k(r.start, r.end)
-                if clipped is not None:
-                    calc[i] += clipped.area() * to_s_calc
-                j += 1
-        host_area = sum(self._area_over(bands, self.host_ranges[rank]))
+        calc = [0.0] * len(chunks)
+        for (_, i), area in zip(flat, areas_over(bands, [r for r, _ in flat])):
+            calc[i] += area * to_s_calc
+        host_area = sum(areas_over(bands, list(self.host_ranges[rank])))
         comm = [ch.total_seqlen * to_s_comm for ch in chunks]
         return host_area * to_s_calc, calc, comm
-
-    @staticmethod
-    def _area_over(bands: list[tuple[int, Band]], ranges: AttnRanges) -> list[int]:
-        out = []
-        for _, b in bands:
-            for r in ranges:
-                c = b.clip_k(r.start, r.end)
-                if c is not None:
-                    out.append(c.area())
-        return out
 
     def _plan_stages(self) -> list[list[AttnRanges]]:
         if self.cp_size == 1:

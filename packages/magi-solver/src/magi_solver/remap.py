@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .mask import AttnSlice, Band
 from .ranges import AttnRange
@@ -11,35 +11,52 @@ from .ranges import AttnRange
 SliceTuple = tuple[int, int, int, int, int]  # (q_start, q_end, k_start, k_end, mask_type)
 
 
-def _buffer_layout(ranges: Sequence[AttnRange]) -> list[tuple[AttnRange, int]]:
-    """(global range, offset in the buffer) sorted by global start."""
+def _buffer_layout(ranges: Sequence[AttnRange]) -> list[tuple[int, AttnRange, int]]:
+    """(position in ``ranges``, global range, offset in the buffer) sorted by global start."""
     out, pos = [], 0
-    for r in ranges:
-        out.append((r, pos))
+    for i, r in enumerate(ranges):
+        out.append((i, r, pos))
         pos += r.seqlen
-    return sorted(out, key=lambda x: x[0].start)
+    return sorted(out, key=lambda x: x[1].start)
 
 
-def slices_over(bands: Iterable[tuple[int, Band]], k_ranges: Sequence[AttnRange]) -> tuple[list[SliceTuple], int]:
-    """Clip ``(q shift, band)`` pairs to the key rows ``k_ranges`` (global, in buffer order;
-    they must not overlap) and shift into local coordinates. Returns slices and their area."""
+def clip_to_ranges(
+    bands: Iterable[tuple[int, Band]], k_ranges: Sequence[AttnRange]
+) -> Iterator[tuple[int, int, int, Band]]:
+    """Every non-empty clip of ``(q shift, band)`` pairs to the key rows ``k_ranges`` (global, in
+    buffer order; they must not overlap): yields (range position, q shift, key shift, clip),
+    where ``clip.shift(q shift, key shift)`` is in local buffer coordinates."""
     layout = _buffer_layout(k_ranges)
-    starts = [r.start for r, _ in layout]
-    out: list[SliceTuple] = []
-    area = 0
+    starts = [r.start for _, r, _ in layout]
     for dq, b in bands:
         ext = b.k_extent()
         if ext is None:
             continue
         j = max(bisect.bisect_right(starts, ext[0]) - 1, 0)
         while j < len(layout) and starts[j] < ext[1]:
-            r, off = layout[j]
+            i, r, off = layout[j]
             clipped = b.clip_k(r.start, r.end)
             if clipped is not None:
-                local = clipped.shift(dq, r.start - off)
-                area += local.area()
-                out.extend(s.to_tuple() for s in local.to_slices())
+                yield i, dq, r.start - off, clipped
             j += 1
+
+
+def areas_over(bands: Iterable[tuple[int, Band]], k_ranges: Sequence[AttnRange]) -> list[int]:
+    """Unmasked area of the bands inside each of ``k_ranges`` (same order)."""
+    out = [0] * len(k_ranges)
+    for i, _, _, clipped in clip_to_ranges(bands, k_ranges):
+        out[i] += clipped.area()
+    return out
+
+
+def slices_over(bands: Iterable[tuple[int, Band]], k_ranges: Sequence[AttnRange]) -> tuple[list[SliceTuple], int]:
+    """Slices (local coordinates) and area of the bands clipped to ``k_ranges``."""
+    out: list[SliceTuple] = []
+    area = 0
+    for _, dq, dk, clipped in clip_to_ranges(bands, k_ranges):
+        local = clipped.shift(dq, dk)
+        area += local.area()
+        out.extend(s.to_tuple() for s in local.to_slices())
     return out, area
 
 
