@@ -10,6 +10,7 @@ plain varlen attention. With a CP group, use :func:`prepare_cp_batch` before the
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,15 @@ def _key_for_call(module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: d
     causal = bool(getattr(module, "is_causal", True))
     window = getattr(module, "sliding_window", None)
     ws = (window - 1, 0) if (window and causal) else (-1, -1)
-    return magi_attn_varlen_key(cu_list, cu_list, hq, key.shape[1], d, None, causal=causal and ws == (-1, -1),
-                                window_size=ws, dist_attn_config=DistAttnConfig(kernel_backend="auto"))
+    return _local_key(tuple(cu_list), hq, key.shape[1], d, causal and ws == (-1, -1), ws)
+
+
+@functools.lru_cache(maxsize=64)
+def _local_key(cu: tuple[int, ...], hq: int, hk: int, d: int, causal: bool, window: tuple[int, int]) -> DistAttnKey:
+    """One key per mask, shared by every layer of a forward (and by later steps with the same
+    packing), instead of re-planning at each attention call."""
+    return magi_attn_varlen_key(list(cu), list(cu), hq, hk, d, None, causal=causal, window_size=window,
+                                dist_attn_config=DistAttnConfig(kernel_backend="auto"))
 
 
 def magi_attention_forward(
