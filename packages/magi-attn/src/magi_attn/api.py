@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from magi_comm import all_gather_rows
+from magi_kernels import resolve_backend
+from magi_kernels.validation import check_qkv
 from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
 from magi_solver.ranges import AttnRange
 
@@ -241,9 +243,6 @@ def calc_attn(
     Returns local ``out`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs). Differentiable
     w.r.t. q, k, v; the backward runs the same multi-stage pipeline with GroupReduce of dK/dV.
     """
-    from magi_kernels import resolve_backend
-    from magi_kernels.validation import check_qkv
-
     check_qkv(q, k, v)
     rt = key.runtime
     expect_q = (rt.shard_seqlen, key.num_heads_q, key.head_dim)
