@@ -61,10 +61,6 @@ def _host_slices(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> list[t
     return [(a, b, c, d, t) for (a, b), (c, d), t in zip(qr.tolist(), kr.tolist(), tm.tolist())]
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 @torch.library.custom_op("magi_kernels::ffa_fwd", mutates_args=())
 def ffa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -83,7 +79,7 @@ def ffa_fwd(
 @ffa_fwd.register_fake
 def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False):
     out_dtype = reference.acc_dtype(q.dtype) if acc_out else q.dtype
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=_lse_dtype(q))
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=reference.acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("magi_kernels::ffa_bwd", mutates_args=())
