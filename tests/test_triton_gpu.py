@@ -23,7 +23,7 @@ def _ragged_cases():
 
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (8, 1, 128), (2, 2, 128)])
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (8, 1, 128), (2, 2, 128), (2, 1, 256)])
 def test_triton_matches_dense(case, dtype, hq, hk, d):
     slices, S = _ragged_cases()[case]
     torch.manual_seed(0)
@@ -57,3 +57,39 @@ def test_triton_softcap_and_dist_path_agree_with_torch_backend():
     torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     fin = torch.isfinite(lb)
     torch.testing.assert_close(la[fin], lb[fin], atol=1e-2, rtol=1e-2)
+
+
+def test_triton_token_offsets_beyond_int32():
+    """q has more than 2**31 elements: rows near the end must address memory with 64-bit
+    offsets. Sliding-window causal keeps it cheap; with the output gradient non-zero only on
+    rows [a, b), every gradient equals that of the cropped problem (keys [a - w, b))."""
+    hq, hk, d, w = 16, 2, 128, 64
+    S = (1 << 31) // (hq * d) + 4096
+    if torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
+        pytest.skip("needs ~40 GiB of GPU memory")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))
+    from magi_solver import AttnRange
+    from magi_solver.mask_builders import sliding_window_slices
+
+    def window(n):
+        return sliding_window_slices(AttnRange(0, n), AttnRange(0, n), (w - 1, 0))
+
+    sl = window(S)
+    qr, kr, tm = ([s.q_range.to_tuple() for s in sl], [s.k_range.to_tuple() for s in sl], [int(s.mask_type) for s in sl])
+    out, lse = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
+    a, b = S - 3000, S - 2000
+    g = torch.zeros_like(out)
+    g[a:b] = torch.randn(b - a, hq, d, device="cuda", dtype=out.dtype)
+    out.backward(g)
+    lo = a - w
+    qc, kc, vc = (t.detach()[lo:b].clone().requires_grad_() for t in (q, k, v))
+    slc = window(b - lo)
+    oc, lc = flex_flash_attn_func(qc, kc, vc, [s.q_range.to_tuple() for s in slc], [s.k_range.to_tuple() for s in slc],
+                                  [int(s.mask_type) for s in slc], backend="torch")
+    oc.backward(g[lo:b])
+    torch.testing.assert_close(out[a:b].float(), oc[a - lo:].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[a:b], lc[a - lo:], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.grad[a:b].float(), qc.grad[a - lo:].float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(k.grad[lo:b].float(), kc.grad.float(), atol=5e-2, rtol=5e-2)
+    assert q.grad[:lo].abs().max() == 0 and k.grad[b:].abs().max() == 0

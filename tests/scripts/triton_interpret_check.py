@@ -41,6 +41,9 @@ CASES = {
     "mixed_overlapping": mask_cases()["mixed_overlapping"],
     "varlen_block_causal": mask_cases()["varlen_block_causal"],
     "ragged_inv_causal": ([(0, 45, 0, 20, 2), (0, 45, 20, 26, 1), (45, 45, 0, 3, 0), (20, 45, 26, 45, 3)], 45),
+    # long enough for runs of full (unmasked) blocks between partial ones, on both axes
+    "causal_q_longer": ([(0, 200, 0, 110, 1), (0, 200, 110, 200, 0)], 200),
+    "inv_k_longer": ([(0, 90, 0, 200, 2), (90, 200, 0, 200, 3)], 200),
 }
 SHAPES = [(4, 2, 64, 0.0), (8, 1, 128, 2.0)]
 

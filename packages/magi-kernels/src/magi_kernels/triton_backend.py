@@ -1,12 +1,19 @@
 """Fused GPU backend (Triton): flash attention over (q_range, k_range, mask_type) slices.
 
-Forward: one program per (query block of a slice, query head); keys are pruned to the block's
-unmasked extent, element masks are applied only on partial blocks, online softmax in fp32.
+Forward: one program per (query block of a slice, query head). Keys are pruned to the block's
+visible extent and walked in three runs: partial blocks before, full blocks (no element mask,
+no -inf bookkeeping), partial blocks after. Online softmax in base 2, fp32 accumulation.
 Slices whose q ranges overlap are placed in separate *layers* (interval colouring on the host);
 each layer is one launch that LSE-merges into the fp32 output of the previous layers, so no two
-programs ever write the same row. Backward: one program per (key block of a slice, KV head)
-loops over the GQA group and the visible query blocks, accumulates dK/dV in registers
-(layered by k-range overlap) and adds dQ with fp32 atomics.
+programs ever write the same row.
+
+Backward (no atomics): a preprocess kernel computes delta = rowsum(dO * O) - dLSE; a dK/dV
+kernel runs one program per (key block of a slice, KV head) that loops over the GQA group and the
+visible query blocks (layered by k-range overlap); a dQ kernel runs one program per (query block,
+query head) over the visible keys (layered by q-range overlap). Scores are recomputed in both.
+
+Tiles of a launch are ordered longest first, heads fastest, so the heaviest work starts first
+and programs sharing K/V run side by side. Pointer offsets of the token axis are 64-bit.
 
 Importable without triton; ``AVAILABLE`` says whether it can run.
 """
@@ -19,7 +26,8 @@ import weakref
 
 import torch
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+LOG2E = 1.4426950408889634
 
 try:
     import triton
@@ -60,27 +68,56 @@ except ImportError:
     _native = None
 
 
-def _i32(b: bytes, device: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.int32).to(device) if b else torch.empty(0, dtype=torch.int32, device=device)
+def _layer_tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: (slice index, tile start) of every tile, int32 CPU tensors, in slice order."""
+    if _native is not None:
+        def as_t(b: bytes) -> torch.Tensor:
+            return torch.frombuffer(bytearray(b), dtype=torch.int32) if b else torch.empty(0, dtype=torch.int32)
+        return [(as_t(a), as_t(b)) for a, b, _ in _native.tiles(list(slices), axis, block)]
+    out = []
+    for layer in _layers(slices, axis):
+        pairs = [(i, b) for i in layer for b in range(slices[i][axis], slices[i][axis + 1], block)]
+        out.append((torch.tensor([p[0] for p in pairs], dtype=torch.int32),
+                    torch.tensor([p[1] for p in pairs], dtype=torch.int32)))
+    return out
+
+
+def tile_work(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """Visible extent on the other axis of each tile (keys of a q tile, queries of a k tile)."""
+    s = meta[sid.long()].long()
+    qs, qe, ks, ke, t = s.unbind(1)
+    inv, cau = (t & 2) != 0, (t & 1) != 0
+    b0 = start.long()
+    if axis == 0:
+        last = torch.minimum(b0 + block, qe) - 1
+        lo = torch.where(inv, ks + b0 - qs, ks)
+        hi = torch.minimum(torch.where(cau, last + ke - qe + 1, ke), ke)
+    else:
+        last = torch.minimum(b0 + block, ke) - 1
+        lo = torch.maximum(torch.where(cau, b0 - ke + qe, qs), qs)
+        hi = torch.minimum(torch.where(inv, last - ks + qs + 1, qe), qe)
+    return (hi - lo).clamp(min=0)
 
 
 @functools.lru_cache(maxsize=256)
-def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str):
-    """Per layer: (tile -> slice index, tile start) int32 tensors and the slice table."""
-    meta = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5).to(device)
-    if _native is not None:
-        return meta, [(_i32(a, device), _i32(b, device), n) for a, b, n in _native.tiles(list(slices), axis, block)]
-    out = []
-    for layer in _layers(slices, axis):
-        sid, start = [], []
-        for i in layer:
-            s, e = slices[i][axis], slices[i][axis + 1]
-            for b in range(s, e, block):
-                sid.append(i)
-                start.append(b)
-        out.append((torch.tensor(sid, dtype=torch.int32, device=device),
-                    torch.tensor(start, dtype=torch.int32, device=device), len(sid)))
-    return meta, out
+def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str, n_rows: int = -1):
+    """(slice table, [(tile -> slice, tile start, n tiles) per layer], layer 0 covers all rows).
+
+    Tiles are sorted by descending work so that long tiles are scheduled first. The last flag
+    says whether layer 0 writes every one of ``n_rows`` rows (then outputs need no zero fill).
+    """
+    meta_cpu = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5)
+    layers = []
+    for sid, start in _layer_tiles(slices, axis, block):
+        if len(sid):
+            order = torch.sort(tile_work(meta_cpu, sid, start, axis, block), descending=True, stable=True).indices
+            sid, start = sid[order], start[order]
+        layers.append((sid.to(device), start.to(device), len(sid)))
+    covered = 0
+    if layers:
+        spans = sorted((slices[i][axis], slices[i][axis + 1]) for i in _layers(slices, axis)[0])
+        covered = sum(e - s for s, e in spans)  # ranges within a layer are disjoint
+    return meta_cpu.to(device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
 
 
 if AVAILABLE:
@@ -100,13 +137,6 @@ if AVAILABLE:
         return qs, qe, ks, ke, (t & 2) != 0, (t & 1) != 0
 
     @triton.jit
-    def _tile_of(TILE_S, TILE_START, GROUP: tl.constexpr):
-        """(query head, kv head, slice index, first row) of this program's tile."""
-        tile = tl.program_id(0)
-        h = tl.program_id(1)
-        return h, h // GROUP, tl.load(TILE_S + tile), tl.load(TILE_START + tile)
-
-    @triton.jit
     def _row_bounds(rows, qs, qe, ks, ke, inv, cau):
         """Per-row visible keys [lo, hi): INVCAUSAL top-left, CAUSAL bottom-right."""
         lo = tl.where(inv, ks + rows - qs, ks)
@@ -114,115 +144,278 @@ if AVAILABLE:
         return lo, hi
 
     @triton.jit
-    def _fwd_kernel(
-        Q, K, V, O, LSE, META, TILE_S, TILE_M,
-        sqt, sqh, skt, skh, sot, soh, slt, slh,
-        scale, softcap,
-        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
-    ):
-        h, hk, sid, m0 = _tile_of(TILE_S, TILE_M, GROUP)
+    def _runs(lo, hi, full_lo, full_hi, B: tl.constexpr):
+        """Split [lo, hi) walked in steps of B into partial / full / partial runs: returns the
+        run edges (b1, b2); blocks starting in [b1, b2) lie inside [full_lo, full_hi)."""
+        n = tl.cdiv(tl.maximum(hi - lo, 0), B)
+        j0 = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), B), n)
+        j1 = tl.minimum(tl.maximum(tl.minimum(full_hi, hi) - lo, 0) // B, n)
+        return lo + j0 * B, lo + tl.maximum(j0, j1) * B
+
+    @triton.jit
+    def _q_tile(META, TILE_S, TILE_M, tile, BM: tl.constexpr, BN: tl.constexpr):
+        """Rows, per-row key bounds and the partial/full/partial key runs of a query tile."""
+        sid = tl.load(TILE_S + tile)
+        m0 = tl.load(TILE_M + tile)
         qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
         rows = m0 + tl.arange(0, BM)
-        rmask = rows < qe
         lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
         last = tl.minimum(m0 + BM, qe) - 1
         k_lo = tl.where(inv, ks + m0 - qs, ks)
         k_hi = tl.minimum(tl.where(cau, last + ke - qe + 1, ke), ke)
-        k_lo = tl.maximum(k_lo, ks)
-        full_lo = tl.where(inv, ks + last - qs, ks)  # blocks in [full_lo, full_hi) need no mask
-        full_hi = tl.where(cau, m0 + ke - qe + 1, ke)
-        d = tl.arange(0, D)
-        q = tl.load(Q + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
-        for kb in range(k_lo, k_hi, BN):
+        full_lo = tl.where(inv, ks + last - qs, ks)  # keys every row of the tile sees
+        full_hi = tl.minimum(tl.where(cau, m0 + ke - qe + 1, ke), ke)
+        b1, b2 = _runs(k_lo, k_hi, full_lo, full_hi, BN)
+        return m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2
+
+    @triton.jit
+    def _scores(q, kT, qk_scale, cap_in, cap_out, HAS_SOFTCAP: tl.constexpr):
+        """Scores in base 2 (and tanh of the softcap, for the backward)."""
+        s = tl.dot(q, kT)
+        if HAS_SOFTCAP:
+            th = _tanh(s * cap_in)
+            return th * cap_out, th
+        return s * qk_scale, s
+
+    @triton.jit
+    def _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                  BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        offs = tl.arange(0, BN)[:, None] * skt + tl.arange(0, D)[None, :]
+        kp = Kp + start.to(tl.int64) * skt + offs
+        vp = Vp + start.to(tl.int64) * skt + offs
+        for kb in range(start, end, BN):
             cols = kb + tl.arange(0, BN)
-            cmask = cols < k_hi
-            k = tl.load(K + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
-            v = tl.load(V + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            s = s * 1.4426950408889634  # log2(e): exp2 below
-            if (kb < full_lo) | (kb + BN > full_hi) | (kb + BN > k_hi):
-                vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-                s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if MASKED:
+                k = tl.load(kp, mask=(cols < k_hi)[:, None], other=0.0)
+                v = tl.load(vp, mask=(cols < k_hi)[:, None], other=0.0)
+            else:
+                k = tl.load(kp)
+                v = tl.load(vp)
+            s, _ = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
+            if MASKED:
+                s = tl.where((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]), s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows without a key yet
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = m_new
             p = tl.exp2(s - m_use[:, None])
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
+            kp += BN * skt
+            vp += BN * skt
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _fwd_kernel(
+        Q, K, V, O, LSE, META, TILE_S, TILE_M,
+        HQ, qk_scale, cap_in, cap_out,
+        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        h = pid % HQ
+        m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2 = _q_tile(META, TILE_S, TILE_M, pid // HQ, BM, BN)
+        sqt = HQ * D
+        skt = HQ // GROUP * D
+        d = tl.arange(0, D)
+        rmask = rows < qe
+        base = m0.to(tl.int64) * sqt + h * D
+        loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
+        q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
+        Kp = K + (h // GROUP) * D
+        Vp = V + (h // GROUP) * D
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                                  BN, D, True, HAS_SOFTCAP)
+        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                                  BN, D, False, HAS_SOFTCAP)
+        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                                  BN, D, True, HAS_SOFTCAP)
         ok = l_i > 0
         l_safe = tl.where(ok, l_i, 1.0)
         lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         o = acc / l_safe[:, None]
-        optr = O + rows[:, None] * sot + h * soh + d[None, :]
-        lptr = LSE + rows * slt + h * slh
+        optr = O + base + loc
+        lptr = LSE + m0.to(tl.int64) * HQ + h + tl.arange(0, BM) * HQ
         if ACCUM:
             old_l = tl.load(lptr, mask=rmask, other=float("-inf"))
             old_o = tl.load(optr, mask=rmask[:, None], other=0.0)
             new_l = tl.maximum(old_l, lse)
-            base = tl.where(new_l == float("-inf"), 0.0, new_l)
-            wa = tl.exp(old_l - base)
-            wb = tl.exp(lse - base)
+            ref = tl.where(new_l == float("-inf"), 0.0, new_l)
+            wa = tl.exp(old_l - ref)
+            wb = tl.exp(lse - ref)
             den = wa + wb
             den_safe = tl.where(den > 0, den, 1.0)
             o = (old_o * wa[:, None] + o * wb[:, None]) / den_safe[:, None]
-            lse = tl.where(den > 0, base + tl.log(den_safe), float("-inf"))
-        tl.store(optr, o, mask=rmask[:, None])
+            lse = tl.where(den > 0, ref + tl.log(den_safe), float("-inf"))
+        tl.store(optr, o.to(O.dtype.element_ty), mask=rmask[:, None])
         tl.store(lptr, lse, mask=rmask)
 
     @triton.jit
-    def _bwd_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ, DK, DV, META, TILE_S, TILE_N,
-        sqt, sqh, skt, skh, slt, slh, sdt, sdh,
-        scale, softcap,
-        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
-    ):
-        h, hk, sid, n0 = _tile_of(TILE_S, TILE_N, GROUP)
-        qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
-        cols = n0 + tl.arange(0, BN)
-        cmask = cols < ke
-        n_last = tl.minimum(n0 + BN, ke) - 1
-        # rows that see any key of this block
-        q_lo = tl.maximum(tl.where(cau, n0 - ke + qe, qs), qs)
-        q_hi = tl.minimum(tl.where(inv, n_last - ks + qs + 1, qe), qe)
-        d = tl.arange(0, D)
-        k = tl.load(K + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
-        v = tl.load(V + cols[:, None] * skt + hk * skh + d[None, :], mask=cmask[:, None], other=0.0)
-        dk = tl.zeros([BN, D], tl.float32)
-        dv = tl.zeros([BN, D], tl.float32)
-        for mb in range(q_lo, q_hi, BM):
-            rows = mb + tl.arange(0, BM)
-            rmask = rows < q_hi
-            q = tl.load(Q + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
-            do = tl.load(DO + rows[:, None] * sqt + h * sqh + d[None, :], mask=rmask[:, None], other=0.0)
-            lse = tl.load(LSE + rows * slt + h * slh, mask=rmask, other=float("-inf"))
-            delta = tl.load(DELTA + rows * slt + h * slh, mask=rmask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            if HAS_SOFTCAP:
-                th = _tanh(s / softcap)
-                s = softcap * th
-            lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
-            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & rmask[:, None]
-            vis = vis & (lse[:, None] != float("-inf"))
-            lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-            p = tl.where(vis, tl.exp(s - lse_safe[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+    def _bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, n_rows, D: tl.constexpr, BR: tl.constexpr):
+        """Per (row, head): delta = rowsum(dO * O) - dLSE, and the lse in base 2."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = r < n_rows
+        r64 = r.to(tl.int64)
+        x = tl.arange(0, D)
+        o = tl.load(O + r64[:, None] * D + x[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        do = tl.load(DO + r64[:, None] * D + x[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        dl = tl.load(DLSE + r64, mask=rm, other=0.0)
+        tl.store(DELTA + r64, tl.sum(o * do, 1) - dl, mask=rm)
+        tl.store(LSE2 + r64, tl.load(LSE + r64, mask=rm, other=0.0) * 1.4426950408889634, mask=rm)
+
+    @triton.jit
+    def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        offs = tl.arange(0, BN)[:, None] * skt + tl.arange(0, D)[None, :]
+        kp = Kp + start.to(tl.int64) * skt + offs
+        vp = Vp + start.to(tl.int64) * skt + offs
+        for kb in range(start, end, BN):
+            cols = kb + tl.arange(0, BN)
+            if MASKED:
+                k = tl.load(kp, mask=(cols < k_hi)[:, None], other=0.0)
+                v = tl.load(vp, mask=(cols < k_hi)[:, None], other=0.0)
+            else:
+                k = tl.load(kp)
+                v = tl.load(vp)
+            s, th = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
+            p = tl.exp2(s - lse2[:, None])
+            if MASKED:
+                p = tl.where((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]), p, 0.0)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - th * th)
-            ds = ds * scale
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            dq = tl.dot(ds.to(k.dtype), k)
-            tl.atomic_add(DQ + rows[:, None] * sqt + h * sqh + d[None, :], dq, mask=rmask[:, None])
-        kptr = cols[:, None] * sdt + h * sdh + d[None, :]
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+            kp += BN * skt
+            vp += BN * skt
+        return dq
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, K, V, DO, LSE2, DELTA, DQ, META, TILE_S, TILE_M,
+        HQ, scale, qk_scale, cap_in, cap_out,
+        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        h = pid % HQ
+        m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2 = _q_tile(META, TILE_S, TILE_M, pid // HQ, BM, BN)
+        sqt = HQ * D
+        skt = HQ // GROUP * D
+        d = tl.arange(0, D)
+        rmask = rows < qe
+        base = m0.to(tl.int64) * sqt + h * D
+        loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
+        q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
+        do = tl.load(DO + base + loc, mask=rmask[:, None], other=0.0)
+        rptr = m0.to(tl.int64) * HQ + h + tl.arange(0, BM) * HQ
+        lse2 = tl.load(LSE2 + rptr, mask=rmask, other=0.0)
+        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: p is masked to 0
+        delta = tl.load(DELTA + rptr, mask=rmask, other=0.0)
+        Kp = K + (h // GROUP) * D
+        Vp = V + (h // GROUP) * D
+        dq = tl.zeros([BM, D], tl.float32)
+        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                      BN, D, True, HAS_SOFTCAP)
+        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                      BN, D, False, HAS_SOFTCAP)
+        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                      BN, D, True, HAS_SOFTCAP)
+        dq = dq * scale
+        if ACCUM:
+            dq += tl.load(DQ + base + loc, mask=rmask[:, None], other=0.0)
+        tl.store(DQ + base + loc, dq, mask=rmask[:, None])
+
+    @triton.jit
+    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, start, end, q_hi, cols, qs, qe, ks, ke, inv, cau,
+                   qk_scale, cap_in, cap_out,
+                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        d = tl.arange(0, D)
+        qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]
+        dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
+        rp = start.to(tl.int64) * HQ + tl.arange(0, BM) * HQ
+        for mb in range(start, end, BM):
+            rows = mb + tl.arange(0, BM)
+            if MASKED:
+                rmask = rows < q_hi
+                qT = tl.load(qTp, mask=rmask[None, :], other=0.0)
+                do = tl.load(dop, mask=rmask[:, None], other=0.0)
+                lse2 = tl.load(LSEp + rp, mask=rmask, other=0.0)
+                delta = tl.load(DELp + rp, mask=rmask, other=0.0)
+            else:
+                qT = tl.load(qTp)
+                do = tl.load(dop)
+                lse2 = tl.load(LSEp + rp)
+                delta = tl.load(DELp + rp)
+            sT, th = _scores(k, qT, qk_scale, cap_in, cap_out, HAS_SOFTCAP)  # [BN, BM]
+            pT = tl.exp2(sT - lse2[None, :])
+            if MASKED:
+                lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
+                vis = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :]) & rmask[None, :]
+                pT = tl.where(vis, pT, 0.0)
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - delta[None, :])
+            if HAS_SOFTCAP:
+                dsT = dsT * (1.0 - th * th)
+            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+            qTp += BM * sqt
+            dop += BM * sqt
+            rp += BM * HQ
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_kernel(
+        Q, K, V, DO, LSE2, DELTA, DK, DV, META, TILE_S, TILE_N,
+        HQ, scale, qk_scale, cap_in, cap_out,
+        GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        HK = HQ // GROUP
+        hk = pid % HK
+        tile = pid // HK
+        sid = tl.load(TILE_S + tile)
+        n0 = tl.load(TILE_N + tile)
+        qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
+        cols = n0 + tl.arange(0, BN)
+        cmask = cols < ke
+        n_last = tl.minimum(n0 + BN, ke) - 1
+        q_lo = tl.maximum(tl.where(cau, n0 - ke + qe, qs), qs)  # rows that see a key of the block
+        q_hi = tl.minimum(tl.where(inv, n_last - ks + qs + 1, qe), qe)
+        f_lo = tl.maximum(tl.where(cau, n0 + BN - 1 - ke + qe, qs), qs)  # rows that see all of them
+        f_hi = tl.minimum(tl.where(inv, n0 - ks + qs + 1, qe), qe)
+        f_hi = tl.where(n0 + BN <= ke, f_hi, f_lo)  # a block overhanging ke is never full
+        b1, b2 = _runs(q_lo, q_hi, f_lo, f_hi, BM)
+        sqt = HQ * D
+        skt = HK * D
+        d = tl.arange(0, D)
+        kbase = n0.to(tl.int64) * skt + hk * D
+        kloc = tl.arange(0, BN)[:, None] * skt + d[None, :]
+        k = tl.load(K + kbase + kloc, mask=cmask[:, None], other=0.0)
+        v = tl.load(V + kbase + kloc, mask=cmask[:, None], other=0.0)
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            Qp = Q + h * D
+            DOp = DO + h * D
+            LSEp = LSE2 + h
+            DELp = DELTA + h
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, q_lo, b1, q_hi, cols, qs, qe, ks, ke,
+                                inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, b1, b2, q_hi, cols, qs, qe, ks, ke,
+                                inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP)
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, b2, q_hi, q_hi, cols, qs, qe, ks, ke,
+                                inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
+        dk = dk * scale
+        kptr = kbase + kloc
         if ACCUM:
             dk += tl.load(DK + kptr, mask=cmask[:, None], other=0.0)
             dv += tl.load(DV + kptr, mask=cmask[:, None], other=0.0)
@@ -241,13 +434,23 @@ def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int
     return vals  # type: ignore[return-value]
 
 
+# (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md
+_FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
+_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
+_DQ_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+
+
 def _fwd_config(d: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) per head dim, measured on H200 (see docs/notes)."""
-    return _env_config("MAGI_TRITON_FWD_CFG", (128, 64, 8, 3) if d == 128 else (128, 64, 4, 3))
+    return _env_config("MAGI_TRITON_FWD_CFG", _FWD_DEFAULTS[d])
 
 
 def _bwd_config(d: int) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_BWD_CFG", (64, 64, 8, 2) if d == 128 else (64, 64, 4, 2))
+    """dK/dV kernel: BN keys per program, BM query rows per step."""
+    return _env_config("MAGI_TRITON_BWD_CFG", _DKDV_DEFAULTS[d])
+
+
+def _dq_config(d: int) -> tuple[int, int, int, int]:
+    return _env_config("MAGI_TRITON_DQ_CFG", _DQ_DEFAULTS[d])
 
 
 _TUPLES: dict[int, tuple] = {}  # id(q_ranges) -> (weakref, stamp, slice tuple); entries die with the tensor
@@ -267,53 +470,71 @@ def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Ten
     return value
 
 
-def _check(q: torch.Tensor, k: torch.Tensor) -> None:
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("triton backend needs the head_dim axis of q, k, v to be contiguous")
+def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, float]:
+    """(qk_scale, cap_in, cap_out): base-2 score = dot * qk_scale, or cap_out * tanh(dot * cap_in)."""
+    if softcap > 0:
+        return softmax_scale * LOG2E, softmax_scale / softcap, softcap * LOG2E
+    return softmax_scale * LOG2E, 1.0, 1.0
+
+
+def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
+    """Output buffer; rows that no tile writes must hold ``fill``, so fill only when some exist."""
+    return torch.empty(shape, dtype=dtype, device=device) if covered else torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    _check(q, k)
     tq, hq, d = q.shape
     hk = k.shape[1]
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
     BM, BN, warps, stages = _fwd_config(d)
-    meta, layers = _tiles(slices, 0, BM, str(q.device))
-    out = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((tq, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    meta, layers, covered = _tiles(slices, 0, BM, str(q.device), tq)
+    # one layer writes every row once: the kernel can write q's dtype directly; several layers
+    # merge into an fp32 accumulator
+    out_dtype = torch.float32 if acc_out or len(layers) > 1 else q.dtype
+    out = _alloc((tq, hq, d), out_dtype, q.device, covered, 0.0)
+    lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
+    qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
     for li, (sid, start, n) in enumerate(layers):
-        _fwd_kernel[(n, hq)](
-            q, k, v, out, lse, meta, sid, start,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            softmax_scale, softcap if softcap > 0 else 1.0,
+        _fwd_kernel[(n * hq,)](
+            q, k, v, out, lse, meta, sid, start, hq, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
             num_warps=warps, num_stages=stages,
         )
-    return (out if acc_out else out.to(q.dtype)), lse
+    return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap):
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous().to(q.dtype)
-    _check(q, k)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    do, out = do.contiguous().to(q.dtype), out.contiguous()
     tq, hq, d = q.shape
-    hk = k.shape[1]
-    delta = ((do.float() * out.float()).sum(-1) - dlse.float()).contiguous()
-    lse = lse.float().contiguous()
+    tk, hk = k.shape[:2]
+    dev = q.device
+    delta = torch.empty(tq, hq, dtype=torch.float32, device=dev)
+    lse2 = torch.empty(tq, hq, dtype=torch.float32, device=dev)
+    rows = tq * hq
+    if rows:
+        _bwd_preprocess_kernel[(triton.cdiv(rows, 64),)](
+            out, do, lse.float().contiguous(), dlse.float().contiguous(), delta, lse2, rows, D=d, BR=64, num_warps=4)
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
+    qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
+    common = dict(GROUP=hq // hk, D=d, HAS_SOFTCAP=softcap > 0)
+
     BM, BN, warps, stages = _bwd_config(d)
-    meta, layers = _tiles(slices, 2, BN, str(q.device))
-    dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=q.device)
-    # dK/dV per *query* head (more parallel programs, no cross-head race), summed per group below
-    dk = torch.zeros(k.shape[0], hq, d, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(k.shape[0], hq, d, dtype=torch.float32, device=q.device)
+    meta, layers, covered = _tiles(slices, 2, BN, str(dev), tk)
+    dk = _alloc((tk, hk, d), torch.float32, dev, covered, 0.0)
+    dv = _alloc((tk, hk, d), torch.float32, dev, covered, 0.0)
     for li, (sid, start, n) in enumerate(layers):
-        _bwd_kernel[(n, hq)](
-            q, k, v, do, lse, delta, dq, dk, dv, meta, sid, start,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1),
-            softmax_scale, softcap if softcap > 0 else 1.0,
-            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
-            num_warps=warps, num_stages=stages,
+        _bwd_dkdv_kernel[(n * hk,)](
+            q, k, v, do, lse2, delta, dk, dv, meta, sid, start, hq, softmax_scale, qk_scale, cap_in, cap_out,
+            BM=BM, BN=BN, ACCUM=li > 0, num_warps=warps, num_stages=stages, **common,
         )
-    g = hq // hk
-    return dq, dk.view(-1, hk, g, d).sum(2), dv.view(-1, hk, g, d).sum(2)
+    BM, BN, warps, stages = _dq_config(d)
+    meta, layers, covered = _tiles(slices, 0, BM, str(dev), tq)
+    dq = _alloc((tq, hq, d), torch.float32, dev, covered, 0.0)
+    for li, (sid, start, n) in enumerate(layers):
+        _bwd_dq_kernel[(n * hq,)](
+            q, k, v, do, lse2, delta, dq, meta, sid, start, hq, softmax_scale, qk_scale, cap_in, cap_out,
+            BM=BM, BN=BN, ACCUM=li > 0, num_warps=warps, num_stages=stages, **common,
+        )
+    return dq, dk, dv

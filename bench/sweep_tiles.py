@@ -1,0 +1,72 @@
+"""Tile-config sweep of the Triton backend in one process (magi only, no peers).
+
+Each kernel family (forward, dK/dV, dQ) is swept on its own while the others keep their
+defaults; one JSON line per (config, mask) with the median ms and TFLOP/s of that kernel alone.
+Usage: python bench/sweep_tiles.py --seqlen 16384 --masks full varlen_causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from magi_attn.masks import make_mask
+from magi_kernels import triton_backend as tb
+
+SWEEP = {
+    "MAGI_TRITON_FWD_CFG": ["128,64,8,3", "128,128,8,3", "128,64,8,4", "128,128,8,2", "64,64,4,3", "128,32,8,3"],
+    "MAGI_TRITON_BWD_CFG": ["64,128,8,3", "64,128,8,2", "32,128,8,3", "64,64,4,3", "32,128,4,3", "64,64,8,3"],
+    "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
+}
+
+
+def main() -> int:
+    import triton.testing
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=16384)
+    p.add_argument("--masks", nargs="+", default=["full", "varlen_causal"])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kernels", nargs="+", default=list(SWEEP))
+    args = p.parse_args()
+    hq, hk, d, S = 48, 8, args.head_dim, args.seqlen
+    dev = "cuda"
+    for mask in args.masks:
+        slices = make_mask(mask, S, seed=0)
+        area = sum(s.area for s in slices)
+        qr = torch.tensor([s.q_range.to_tuple() for s in slices], dtype=torch.int32)
+        kr = torch.tensor([s.k_range.to_tuple() for s in slices], dtype=torch.int32)
+        tm = torch.tensor([int(s.mask_type) for s in slices], dtype=torch.int32)
+        torch.manual_seed(0)
+        q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        do = torch.randn_like(q)
+        out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)
+        dlse = torch.zeros_like(lse)
+        flops = 4 * area * hq * d
+        for var in args.kernels:
+            for cfg in SWEEP[var]:
+                os.environ[var] = cfg
+                if var == "MAGI_TRITON_FWD_CFG":
+                    fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                    mult = 1.0
+                else:
+                    fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                    mult = 2.5
+                try:
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+                    row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "ms": round(ms, 3),
+                           "tflops": round(mult * flops / ms / 1e9, 1)}
+                except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
+                    row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "error": repr(e)[:160]}
+                print(json.dumps(row), flush=True)
+            os.environ.pop(var)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
