@@ -9,17 +9,21 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 STAGES=${STAGES:-tests sweep bench ipc}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# (at most 8 files come back from the device: install logs stay in /tmp unless an install fails)
 for p in magi-solver magi-kernels magi-comm magi-attn; do
-  python3 -m pip install -q --no-build-isolation --no-deps -e packages/$p > $OUT/install_$p.log 2>&1 || echo "install $p failed"
+  python3 -m pip install -q --no-build-isolation --no-deps -e packages/$p > /tmp/install_$p.log 2>&1 \
+    || { echo "install $p failed"; cp /tmp/install_$p.log $OUT/; }
 done
 export PYTHONPATH=$PWD/packages/magi-solver/src:$PWD/packages/magi-attn/src
 python3 -c "import magi_comm, magi_kernels" 2>/dev/null || { echo "native installs failed: pure-Python paths"; \
-  export PYTHONPATH=$PYTHONPATH:$PWD/packages/magi-comm/src:$PWD/packages/magi-kernels/src; tail -5 $OUT/install_magi-comm.log; }
+  export PYTHONPATH=$PYTHONPATH:$PWD/packages/magi-comm/src:$PWD/packages/magi-kernels/src; tail -5 /tmp/install_magi-comm.log; }
 python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; print('native comm', n.AVAILABLE, n.WITH_CUDA, n.REASON, '| kernels', t._native is not None)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if has tests; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/test_triton_gpu.py tests/test_native.py > $OUT/tests.log 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
+  # the forward's optional warp-specialised loop (MAGI_TRITON_WS=1), d=128 bf16 cases
+  MAGI_TRITON_WS=1 timeout 120 python3 -m pytest -q tests/test_triton_gpu.py -k "8-1-128-dtype0" 2>&1 | tail -1
   timeout 90 python3 -m pytest -q -rf tests/test_ipc_gpu.py 2>&1 | tail -2
 fi
 if has sweep; then

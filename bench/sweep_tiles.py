@@ -21,7 +21,28 @@ SWEEP = {
     "MAGI_TRITON_FWD_CFG": ["128,64,8,3", "128,128,8,3", "128,64,8,4", "128,128,8,2", "64,64,4,3", "128,32,8,3"],
     "MAGI_TRITON_BWD_CFG": ["64,128,8,3", "64,128,8,2", "32,128,8,3", "64,64,4,3", "32,128,4,3", "64,64,8,3"],
     "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
+    "MAGI_TRITON_WS": ["0", "1"],  # warp specialization of the forward's full-block loop
+    "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
 }
+SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
+
+
+def profile(mask: str, fwd, bwd) -> None:
+    """Mean CUDA time per kernel over a few calls of each pass (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    for name, fn in (("fwd", fwd), ("bwd", bwd)):
+        fn()
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        for e in p.key_averages():
+            if e.device_type.name == "CUDA" and e.count:
+                print(json.dumps({"profile": name, "mask": mask, "kernel": e.key[:60], "calls": e.count,
+                                  "ms": round(e.device_time_total / e.count / 1e3, 3)}), flush=True)
 
 
 def main() -> int:
@@ -32,7 +53,11 @@ def main() -> int:
     p.add_argument("--masks", nargs="+", default=["full", "varlen_causal"])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--kernels", nargs="+", default=list(SWEEP))
+    p.add_argument("--profile", action="store_true", help="print per-kernel CUDA times at the defaults")
     args = p.parse_args()
+    sweep = dict(SWEEP)
+    if SWEEP_FROM_ENV:
+        sweep = {kv.split("=")[0]: kv.split("=")[1].split(";") for kv in SWEEP_FROM_ENV.split()}
     hq, hk, d, S = 48, 8, args.head_dim, args.seqlen
     dev = "cuda"
     for mask in args.masks:
@@ -48,10 +73,13 @@ def main() -> int:
         out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)
         dlse = torch.zeros_like(lse)
         flops = 4 * area * hq * d
-        for var in args.kernels:
-            for cfg in SWEEP[var]:
+        if args.profile:
+            profile(mask, lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0),
+                    lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0))
+        for var in [v_ for v_ in args.kernels if v_ in sweep] + [v_ for v_ in sweep if v_ not in SWEEP]:
+            for cfg in sweep[var]:
                 os.environ[var] = cfg
-                if var == "MAGI_TRITON_FWD_CFG":
+                if var in ("MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS"):
                     fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
                     mult = 1.0
                 else:

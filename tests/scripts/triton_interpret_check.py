@@ -44,6 +44,7 @@ CASES = {
     # long enough for runs of full (unmasked) blocks between partial ones, on both axes
     "causal_q_longer": ([(0, 200, 0, 110, 1), (0, 200, 110, 200, 0)], 200),
     "inv_k_longer": ([(0, 90, 0, 200, 2), (90, 200, 0, 200, 3)], 200),
+    "causal_one_launch": ([(0, 150, 0, 150, 1)], 150),  # one layer per axis: fused dK/dV + dQ launch
 }
 SHAPES = [(4, 2, 64, 0.0), (8, 1, 128, 2.0)]
 

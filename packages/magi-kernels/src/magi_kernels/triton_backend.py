@@ -7,10 +7,11 @@ Slices whose q ranges overlap are placed in separate *layers* (interval colourin
 each layer is one launch that LSE-merges into the fp32 output of the previous layers, so no two
 programs ever write the same row.
 
-Backward (no atomics): a preprocess kernel computes delta = rowsum(dO * O) - dLSE; a dK/dV
-kernel runs one program per (key block of a slice, KV head) that loops over the GQA group and the
-visible query blocks (layered by k-range overlap); a dQ kernel runs one program per (query block,
-query head) over the visible keys (layered by q-range overlap). Scores are recomputed in both.
+Backward (no atomics): a preprocess kernel computes delta = rowsum(dO * O) - dLSE (head-major);
+dK/dV programs, one per (key block of a slice, KV head), loop over the GQA group and the visible
+query blocks (layered by k-range overlap); dQ programs, one per (query block, query head), loop
+over the visible keys (layered by q-range overlap). Scores are recomputed in both. With a single
+layer on each axis both kinds run in one launch.
 
 Tiles of a launch are ordered longest first, heads fastest, so the heaviest work starts first
 and programs sharing K/V run side by side. Pointer offsets of the token axis are 64-bit.
@@ -179,11 +180,12 @@ if AVAILABLE:
 
     @triton.jit
     def _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                  BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                  BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  WS: tl.constexpr = False):
         offs = tl.arange(0, BN)[:, None] * skt + tl.arange(0, D)[None, :]
         kp = Kp + start.to(tl.int64) * skt + offs
         vp = Vp + start.to(tl.int64) * skt + offs
-        for kb in range(start, end, BN):
+        for kb in tl.range(start, end, BN, warp_specialize=WS):
             cols = kb + tl.arange(0, BN)
             if MASKED:
                 k = tl.load(kp, mask=(cols < k_hi)[:, None], other=0.0)
@@ -213,7 +215,7 @@ if AVAILABLE:
         Q, K, V, O, LSE, META, TILE_S, TILE_M,
         HQ, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, WS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         h = pid % HQ
@@ -233,7 +235,7 @@ if AVAILABLE:
         acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                                   BN, D, True, HAS_SOFTCAP)
         acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                                  BN, D, False, HAS_SOFTCAP)
+                                  BN, D, False, HAS_SOFTCAP, WS)
         acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                                   BN, D, True, HAS_SOFTCAP)
         ok = l_i > 0
@@ -257,8 +259,9 @@ if AVAILABLE:
         tl.store(lptr, lse, mask=rmask)
 
     @triton.jit
-    def _bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, n_rows, D: tl.constexpr, BR: tl.constexpr):
-        """Per (row, head): delta = rowsum(dO * O) - dLSE, and the lse in base 2."""
+    def _bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, n_rows, HQ, T, D: tl.constexpr, BR: tl.constexpr):
+        """Per (token, head) row: delta = rowsum(dO * O) - dLSE and the lse in base 2, written
+        head-major ([HQ, T]) so the backward kernels read them contiguously."""
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = r < n_rows
         r64 = r.to(tl.int64)
@@ -266,8 +269,9 @@ if AVAILABLE:
         o = tl.load(O + r64[:, None] * D + x[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
         do = tl.load(DO + r64[:, None] * D + x[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
         dl = tl.load(DLSE + r64, mask=rm, other=0.0)
-        tl.store(DELTA + r64, tl.sum(o * do, 1) - dl, mask=rm)
-        tl.store(LSE2 + r64, tl.load(LSE + r64, mask=rm, other=0.0) * 1.4426950408889634, mask=rm)
+        hm = (r64 % HQ) * T + r64 // HQ
+        tl.store(DELTA + hm, tl.sum(o * do, 1) - dl, mask=rm)
+        tl.store(LSE2 + hm, tl.load(LSE + r64, mask=rm, other=0.0) * 1.4426950408889634, mask=rm)
 
     @triton.jit
     def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
@@ -297,13 +301,12 @@ if AVAILABLE:
         return dq
 
     @triton.jit
-    def _bwd_dq_kernel(
-        Q, K, V, DO, LSE2, DELTA, DQ, META, TILE_S, TILE_M,
+    def _dq_program(
+        Q, K, V, DO, LSE2, DELTA, DQ, META, TILE_S, TILE_M, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
-        pid = tl.program_id(0)
         h = pid % HQ
         m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2 = _q_tile(META, TILE_S, TILE_M, pid // HQ, BM, BN)
         sqt = HQ * D
@@ -314,7 +317,7 @@ if AVAILABLE:
         loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
         q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
         do = tl.load(DO + base + loc, mask=rmask[:, None], other=0.0)
-        rptr = m0.to(tl.int64) * HQ + h + tl.arange(0, BM) * HQ
+        rptr = h.to(tl.int64) * T + rows
         lse2 = tl.load(LSE2 + rptr, mask=rmask, other=0.0)
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: p is masked to 0
         delta = tl.load(DELTA + rptr, mask=rmask, other=0.0)
@@ -333,13 +336,13 @@ if AVAILABLE:
         tl.store(DQ + base + loc, dq, mask=rmask[:, None])
 
     @triton.jit
-    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, start, end, q_hi, cols, qs, qe, ks, ke, inv, cau,
+    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, start, end, q_hi, cols, qs, qe, ks, ke, inv, cau,
                    qk_scale, cap_in, cap_out,
                    BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
         d = tl.arange(0, D)
-        qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]
+        qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM]
         dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
-        rp = start.to(tl.int64) * HQ + tl.arange(0, BM) * HQ
+        rp = start + tl.arange(0, BM)
         for mb in range(start, end, BM):
             rows = mb + tl.arange(0, BM)
             if MASKED:
@@ -367,17 +370,16 @@ if AVAILABLE:
             dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
             qTp += BM * sqt
             dop += BM * sqt
-            rp += BM * HQ
+            rp += BM
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE2, DELTA, DK, DV, META, TILE_S, TILE_N,
+    def _dkdv_program(
+        Q, K, V, DO, LSE2, DELTA, DK, DV, META, TILE_S, TILE_N, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
-        pid = tl.program_id(0)
         HK = HQ // GROUP
         hk = pid % HK
         tile = pid // HK
@@ -406,13 +408,13 @@ if AVAILABLE:
             h = hk * GROUP + g
             Qp = Q + h * D
             DOp = DO + h * D
-            LSEp = LSE2 + h
-            DELp = DELTA + h
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, q_lo, b1, q_hi, cols, qs, qe, ks, ke,
+            LSEp = LSE2 + h.to(tl.int64) * T
+            DELp = DELTA + h.to(tl.int64) * T
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, q_lo, b1, q_hi, cols, qs, qe, ks, ke,
                                 inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, b1, b2, q_hi, cols, qs, qe, ks, ke,
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b1, b2, q_hi, cols, qs, qe, ks, ke,
                                 inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP)
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, HQ, b2, q_hi, q_hi, cols, qs, qe, ks, ke,
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b2, q_hi, q_hi, cols, qs, qe, ks, ke,
                                 inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
         dk = dk * scale
         kptr = kbase + kloc
@@ -421,6 +423,23 @@ if AVAILABLE:
             dv += tl.load(DV + kptr, mask=cmask[:, None], other=0.0)
         tl.store(DK + kptr, dk, mask=cmask[:, None])
         tl.store(DV + kptr, dv, mask=cmask[:, None])
+
+    @triton.jit
+    def _bwd_kernel(
+        Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KV_META, KV_S, KV_N, Q_META, Q_S, Q_M, n_kv, T,
+        HQ, scale, qk_scale, cap_in, cap_out,
+        GROUP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr,
+        D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DO_KV: tl.constexpr, DO_Q: tl.constexpr,
+    ):
+        """Programs [0, n_kv) are dK/dV programs, the rest dQ programs: with one layer on each
+        axis both run in one launch (no tail between them, both kinds resident together)."""
+        pid = tl.program_id(0)
+        if DO_KV and pid < n_kv:
+            _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, KV_META, KV_S, KV_N, pid, T, HQ, scale, qk_scale,
+                          cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM)
+        elif DO_Q:
+            _dq_program(Q, K, V, DO, LSE2, DELTA, DQ, Q_META, Q_S, Q_M, pid - n_kv, T, HQ, scale, qk_scale,
+                        cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -436,7 +455,7 @@ def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int
 
 # (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md
 _FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
-_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
+_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (32, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
 _DQ_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 
 
@@ -499,7 +518,7 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
         _fwd_kernel[(n * hq,)](
             q, k, v, out, lse, meta, sid, start, hq, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
-            num_warps=warps, num_stages=stages,
+            WS=os.environ.get("MAGI_TRITON_WS", "0") == "1", num_warps=warps, num_stages=stages,
         )
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
@@ -510,31 +529,45 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     tq, hq, d = q.shape
     tk, hk = k.shape[:2]
     dev = q.device
-    delta = torch.empty(tq, hq, dtype=torch.float32, device=dev)
-    lse2 = torch.empty(tq, hq, dtype=torch.float32, device=dev)
+    delta = torch.empty(hq, tq, dtype=torch.float32, device=dev)
+    lse2 = torch.empty(hq, tq, dtype=torch.float32, device=dev)
     rows = tq * hq
     if rows:
         _bwd_preprocess_kernel[(triton.cdiv(rows, 64),)](
-            out, do, lse.float().contiguous(), dlse.float().contiguous(), delta, lse2, rows, D=d, BR=64, num_warps=4)
+            out, do, lse.float().contiguous(), dlse.float().contiguous(), delta, lse2, rows, hq, tq,
+            D=d, BR=64, num_warps=4)
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
-    common = dict(GROUP=hq // hk, D=d, HAS_SOFTCAP=softcap > 0)
+    BM1, BN1, warps1, stages1 = _bwd_config(d)
+    BM2, BN2, warps2, stages2 = _dq_config(d)
+    kv_meta, kv_layers, kv_cov = _tiles(slices, 2, BN1, str(dev), tk)
+    q_meta, q_layers, q_cov = _tiles(slices, 0, BM2, str(dev), tq)
+    dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
+    dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
+    dq = _alloc((tq, hq, d), torch.float32, dev, q_cov, 0.0)
+    none = torch.empty(0, dtype=torch.int32, device=dev)
 
-    BM, BN, warps, stages = _bwd_config(d)
-    meta, layers, covered = _tiles(slices, 2, BN, str(dev), tk)
-    dk = _alloc((tk, hk, d), torch.float32, dev, covered, 0.0)
-    dv = _alloc((tk, hk, d), torch.float32, dev, covered, 0.0)
-    for li, (sid, start, n) in enumerate(layers):
-        _bwd_dkdv_kernel[(n * hk,)](
-            q, k, v, do, lse2, delta, dk, dv, meta, sid, start, hq, softmax_scale, qk_scale, cap_in, cap_out,
-            BM=BM, BN=BN, ACCUM=li > 0, num_warps=warps, num_stages=stages, **common,
+    def launch(kv_layer, q_layer, accum, warps, stages):
+        n_kv = kv_layer[2] * hk if kv_layer else 0
+        n_q = q_layer[2] * hq if q_layer else 0
+        if n_kv + n_q == 0:
+            return
+        _bwd_kernel[(n_kv + n_q,)](
+            q, k, v, do, lse2, delta, dq, dk, dv,
+            kv_meta, *(kv_layer[:2] if kv_layer else (none, none)),
+            q_meta, *(q_layer[:2] if q_layer else (none, none)),
+            n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
+            GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
+            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, num_warps=warps, num_stages=stages,
         )
-    BM, BN, warps, stages = _dq_config(d)
-    meta, layers, covered = _tiles(slices, 0, BM, str(dev), tq)
-    dq = _alloc((tq, hq, d), torch.float32, dev, covered, 0.0)
-    for li, (sid, start, n) in enumerate(layers):
-        _bwd_dq_kernel[(n * hq,)](
-            q, k, v, do, lse2, delta, dq, meta, sid, start, hq, softmax_scale, qk_scale, cap_in, cap_out,
-            BM=BM, BN=BN, ACCUM=li > 0, num_warps=warps, num_stages=stages, **common,
-        )
+
+    fused = (len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
+             and os.environ.get("MAGI_TRITON_BWD_FUSE", "1") == "1")
+    if fused:
+        launch(kv_layers[0], q_layers[0], False, warps1, stages1)
+    else:  # layers after the first read-modify-write the previous ones: one launch per layer
+        for li, layer in enumerate(kv_layers):
+            launch(layer, None, li > 0, warps1, stages1)
+        for li, layer in enumerate(q_layers):
+            launch(None, layer, li > 0, warps2, stages2)
     return dq, dk, dv
