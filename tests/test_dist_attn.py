@@ -20,6 +20,8 @@ CONFIGS = {
     "no_overlap": dict(overlap=dict(degree=0)),
     "dynamic": dict(overlap=dict(degree=None, min_chunk_size=4)),
     "sequential_chunk5": dict(dispatch=dict(chunk_size=5, alg="sequential"), overlap=dict(degree=2, min_chunk_size=3)),
+    # two-hop node-aware collectives: 2 ranks per node (4 ranks = 2 nodes, 2 ranks = 1 node)
+    "hier_2_per_node": dict(overlap=dict(degree=2, min_chunk_size=4), comm=dict(comm_backend="hier", ranks_per_node=2)),
 }
 
 
@@ -27,7 +29,7 @@ def _config(spec):
     from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
 
     return DistAttnConfig(dispatch=DispatchConfig(**spec.get("dispatch", {})), overlap=OverlapConfig(**spec.get("overlap", {})),
-                          kernel_backend="torch")
+                          kernel_backend="torch", **spec.get("comm", {}))
 
 
 def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0):

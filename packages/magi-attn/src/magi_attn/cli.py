@@ -34,7 +34,7 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[args.dtype]
     slices = make_mask(args.mask, args.seqlen, window=args.window, block=args.block, seed=args.seed)
     config = DistAttnConfig(DispatchConfig(chunk_size=args.chunk_size), OverlapConfig(degree=args.degree),
-                            kernel_backend=args.backend)
+                            kernel_backend=args.backend, comm_backend=args.comm, ranks_per_node=args.ranks_per_node)
     t0 = time.perf_counter()
     key = magi_attn_flex_key([s.q_range for s in slices], [s.k_range for s in slices], [s.mask_type for s in slices],
                              args.seqlen, args.seqlen, args.heads_q, args.heads_kv, args.head_dim, dist.group.WORLD, config)
@@ -105,11 +105,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = DistAttnPlan(slices, args.seqlen, args.cp, num_heads_q=args.heads_q, num_heads_kv=args.heads_kv,
                         head_dim=args.head_dim, dispatch_config=DispatchConfig(chunk_size=args.chunk_size),
                         overlap_config=OverlapConfig(degree=args.degree))
-    for s in range(plan.num_stages):
-        for r in range(args.cp):
-            plan.cast_plan(s, r)
+    casts = [[plan.cast_plan(s, r) for s in range(plan.num_stages)] for r in range(args.cp)]
     plan.calc_plan(0)
     summary = plan.summary()
+    if args.ranks_per_node:
+        from magi_comm.hierarchical import NodeTopology, inter_node_rows
+
+        topo = NodeTopology(args.cp, args.ranks_per_node)
+        for name, dedup in (("flat", False), ("two_hop", True)):
+            summary[f"inter_node_kv_rows_{name}"] = sum(
+                inter_node_rows(topo, r, c.input_split_sizes, c.dst_indices, dedup) for r in range(args.cp) for c in casts[r])
     summary["plan_s_all_ranks"] = round(time.perf_counter() - t0, 4)
     summary["slices"] = len(slices)
     if not args.verbose:
@@ -157,6 +162,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node: run uses it with --comm hier; plan reports inter-node KV rows")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dtype", choices=("fp32", "bf16", "fp64"), default="fp32")
     run.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     run.add_argument("--cpu", action="store_true", help="force CPU processes with gloo")
+    run.add_argument("--comm", choices=("a2a", "ipc", "hier"), default="a2a",
+                     help="GroupCast/GroupReduce backend (hier: node-aware two hops, see --ranks-per-node)")
     plan = sub.add_parser("plan", help="solve a mask and print the plan (optionally plot the dispatch)")
     _common(plan)
     plan.add_argument("--plot", default=None, help="write a PNG of mask and dispatch")

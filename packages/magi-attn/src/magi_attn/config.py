@@ -9,7 +9,7 @@ from magi_solver import DispatchConfig, OverlapConfig
 
 __all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "OverlapConfig"]
 
-COMM_BACKENDS = ("a2a", "ipc")
+COMM_BACKENDS = ("a2a", "ipc", "hier")
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,19 @@ class DistAttnConfig:
         overlap: multi-stage overlap of GroupCast with attention (:class:`magi_solver.OverlapConfig`).
         kernel_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``magi_kernels``).
         comm_backend: ``"a2a"`` (torch.distributed all_to_all_single: gloo or NCCL, any
-            topology) or ``"ipc"`` (CUDA IPC peer writes inside one host; needs the native
-            extension built with CUDA).
+            topology), ``"ipc"`` (CUDA IPC peer writes inside one host; needs the native
+            extension built with CUDA) or ``"hier"`` (node-aware two hops: each KV row crosses
+            the inter-node network once per destination node, then is forwarded inside it;
+            dK/dV partials are pre-reduced per node).
+        ranks_per_node: ranks on each node for ``"hier"``; None = ``LOCAL_WORLD_SIZE`` (torchrun)
+            or one node.
     """
 
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kernel_backend: str = "auto"
     comm_backend: str = "a2a"
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dispatch, DispatchConfig):
@@ -39,3 +44,5 @@ class DistAttnConfig:
             raise ValueError(f"DistAttnConfig.kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")
         if self.comm_backend not in COMM_BACKENDS:
             raise ValueError(f"DistAttnConfig.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise ValueError(f"DistAttnConfig.ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")

@@ -24,6 +24,9 @@ def _cast_kv(kv: torch.Tensor, rt: DistAttnRuntime, stage: int):
     if ipc is not None:  # synchronous peer writes: hand back a finished handle
         out = ipc.group_cast(kv, **kw)
         return PendingCollective([], lambda: out)
+    hier = rt.hier(kv)
+    if hier is not None:
+        return hier[0].group_cast(kv, async_op=True, plan=hier[1][stage], **kw)
     return group_cast(kv, group=rt.group, async_op=True, **kw)
 
 
@@ -35,6 +38,9 @@ def _reduce_dkv(part: torch.Tensor, dkv: torch.Tensor, rt: DistAttnRuntime, stag
     if ipc is not None and dkv.dtype == torch.float32:
         ipc.group_reduce(part, dkv, **kw)
         return PendingCollective([], lambda: dkv)
+    hier = rt.hier(part)
+    if hier is not None:
+        return hier[0].group_reduce(part, dkv, op="sum", async_op=True, plan=hier[1][stage], **kw)
     return group_reduce(part, dkv, group=rt.group, op="sum", async_op=True, **kw)
 
 

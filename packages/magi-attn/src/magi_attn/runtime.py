@@ -58,6 +58,7 @@ class DistAttnRuntime:
         self.reduce_plans: list[GroupReducePlan] = [p.transpose() for p in self.cast_plans]
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
         self._ipc = None
+        self._hier = None
         logger.debug("rank %d runtime: %s", rank, plan.summary())
 
     def ipc(self, kv: torch.Tensor):
@@ -73,6 +74,22 @@ class DistAttnRuntime:
             nbytes = most * row * max(kv.element_size(), 4) + 256
             self._ipc = IpcGroupCollectives(self.group, nbytes, kv.device)
         return self._ipc
+
+    def hier(self, kv: torch.Tensor):
+        """(two-hop collectives, per-stage two-hop plans) with the "hier" backend, else None. A
+        stage's plan serves its cast and, transposed, its dK/dV reduce. All stages are planned on
+        first use (one collective metadata exchange per stage, every rank in the same order),
+        before any data moves."""
+        if self.config.comm_backend != "hier" or self.group is None:
+            return None
+        if self._hier is None:
+            from magi_comm.hierarchical import shared_collectives
+
+            hc = shared_collectives(self.group, self.config.ranks_per_node)
+            plans = [hc.cast_plan(p.input_split_sizes, p.dst_indices, p.output_split_sizes, p.src_index, kv.device)
+                     for p in self.cast_plans]
+            self._hier = (hc, plans)
+        return self._hier
 
     @property
     def no_overlap(self) -> bool:

@@ -1,0 +1,358 @@
+"""Node-aware GroupCast / GroupReduce: every row crosses the inter-node network once per
+destination *node*, then is forwarded inside the node (RDMA dedup, as DeepEP does).
+
+Ranks are grouped into nodes of ``ranks_per_node`` consecutive ranks. A cast takes two hops:
+
+1. inter-node, among the ranks with the same local index (one per node): a split goes once to
+   the *proxy* on each node that has any of its destinations (the proxy has the sender's local
+   index);
+2. intra-node, among the ranks of a node: each proxy forwards what it received (and its own
+   rows) to the final destinations on its node.
+
+A reduce is the exact transpose: partials are first pre-reduced at the proxy of their node
+(sum, or the LSE merge of partial attention outputs), then each reduced row crosses the network
+once. The transport of each hop is ``torch.distributed.all_to_all_single`` (NCCL over
+NVLink / InfiniBand on GPUs, gloo on CPUs), so the path runs and is tested anywhere; a native
+NVSHMEM transport would replace hop 1 with device-initiated puts.
+
+Hop 2 of a proxy needs to know, for every split it receives in hop 1, which local ranks want it.
+That metadata is exchanged with two small all-to-alls when a plan is built; a caller that passes
+the same ``plan_key`` on every rank for the same collective gets the plan cached.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .group_collective import (
+    COMM_STATS,
+    REDUCE_OPS,
+    A2AIndexPlan,
+    PendingCollective,
+    _exchange,
+    _rows,
+    _split_offsets,
+    lse_scatter_merge,
+)
+
+MAX_RANKS_PER_NODE = 62  # local destinations of a split travel as bits of one int64
+
+
+@dataclass(frozen=True)
+class NodeTopology:
+    """``world`` ranks in nodes of ``ranks_per_node`` consecutive ranks."""
+
+    world: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ranks_per_node <= MAX_RANKS_PER_NODE:
+            raise ValueError(f"ranks_per_node must be in [1, {MAX_RANKS_PER_NODE}], got {self.ranks_per_node}")
+        if self.world % self.ranks_per_node:
+            raise ValueError(
+                f"world size {self.world} is not a multiple of ranks_per_node={self.ranks_per_node}; "
+                "pass the number of ranks on each node (every node must hold the same number)")
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def rank(self, node: int, local: int) -> int:
+        return node * self.ranks_per_node + local
+
+
+def default_ranks_per_node(world: int) -> int:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun) when it divides the world, else one node."""
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env and int(env) > 0 and world % int(env) == 0:
+        return int(env)
+    return world
+
+
+Meta = list[tuple[int, int]]  # (rows, bitmask of local destinations) per split, in split order
+
+
+def outgoing_meta(topo: NodeTopology, me: int, input_split_sizes: Sequence[int],
+                  dst_indices: Sequence[Sequence[int]]) -> list[Meta]:
+    """Per destination node: the splits this rank sends there in hop 1 (none to its own node)."""
+    out: list[Meta] = [[] for _ in range(topo.nodes)]
+    for size, dsts in zip(input_split_sizes, dst_indices):
+        if not size:
+            continue
+        masks: dict[int, int] = {}
+        for d in set(dsts):
+            masks[topo.node(d)] = masks.get(topo.node(d), 0) | (1 << topo.local(d))
+        for n, mask in sorted(masks.items()):
+            if n != topo.node(me):
+                out[n].append((size, mask))
+    return out
+
+
+@dataclass(frozen=True)
+class TwoHopPlan:
+    """Hop 1 gathers from the input; hop 2 gathers from ``cat(input, hop-1 rows)`` and lands at
+    ``intra.recv_rows`` of the output."""
+
+    inter: A2AIndexPlan
+    intra: A2AIndexPlan
+    n_input: int
+
+    @property
+    def hop1_rows(self) -> int:
+        return sum(self.inter.recv_counts)
+
+
+def two_hop_cast_plan(
+    topo: NodeTopology, me: int,
+    input_split_sizes: Sequence[int], dst_indices: Sequence[Sequence[int]],
+    output_split_sizes: Sequence[int], src_index: Sequence[int],
+    incoming: Sequence[Meta],
+) -> TwoHopPlan:
+    """Row plan of one rank; ``incoming[n]`` is what the proxy-peer on node ``n`` sends here in
+    hop 1 (its ``outgoing_meta`` for this rank's node). Pure: no communication."""
+    my_node, my_local, L = topo.node(me), topo.local(me), topo.ranks_per_node
+    in_off = _split_offsets(input_split_sizes)
+    n_input = sum(input_split_sizes)
+    # hop 1: each split once per remote node that holds any of its destinations
+    send1, counts1 = [], []
+    for n in range(topo.nodes):
+        pairs = []
+        if n != my_node:
+            for o, size, dsts in zip(in_off, input_split_sizes, dst_indices):
+                if size and any(topo.node(d) == n for d in dsts):
+                    pairs.append((o, size))
+        send1.extend(pairs)
+        counts1.append(sum(s for _, s in pairs))
+    recv_counts1 = [sum(s for s, _ in incoming[n]) if n != my_node else 0 for n in range(topo.nodes)]
+    n1 = sum(recv_counts1)
+    inter = A2AIndexPlan(_rows(send1), tuple(counts1), torch.arange(n1, dtype=torch.long), tuple(recv_counts1))
+    # hop 1 rows of every source node, with their local destination masks, at cat() positions
+    hop1: dict[int, list[tuple[int, int, int]]] = {}
+    pos = n_input
+    for n in range(topo.nodes):
+        if n == my_node:
+            continue
+        hop1[n] = []
+        for size, mask in incoming[n]:
+            hop1[n].append((pos, size, mask))
+            pos += size
+    # hop 2 to local q: for every source s with my local index (ascending), its rows for q
+    send2, counts2 = [], []
+    for q in range(L):
+        dst = topo.rank(my_node, q)
+        pairs = []
+        for n in range(topo.nodes):
+            if n == my_node:
+                pairs += [(o, size) for o, size, dsts in zip(in_off, input_split_sizes, dst_indices)
+                          if size and dst in dsts]
+            else:
+                pairs += [(p, size) for p, size, mask in hop1[n] if mask >> q & 1]
+        send2.extend(pairs)
+        counts2.append(sum(s for _, s in pairs))
+    # a receiver gets from local p the rows of the sources (n, p), ascending, each in split order
+    out_off = _split_offsets(output_split_sizes)
+    recv2, recv_counts2 = [], []
+    for p in range(L):
+        pairs = []
+        for n in range(topo.nodes):
+            src = topo.rank(n, p)
+            pairs += [(o, size) for o, size, s in zip(out_off, output_split_sizes, src_index) if s == src and size]
+        recv2.extend(pairs)
+        recv_counts2.append(sum(s for _, s in pairs))
+    intra = A2AIndexPlan(_rows(send2), tuple(counts2), _rows(recv2), tuple(recv_counts2))
+    return TwoHopPlan(inter, intra, n_input)
+
+
+def inter_node_rows(topo: NodeTopology, me: int, input_split_sizes: Sequence[int],
+                    dst_indices: Sequence[Sequence[int]], dedup: bool) -> int:
+    """Rows this rank puts on the inter-node network: once per remote destination *rank* for a
+    flat all-to-all, once per remote destination *node* with the two-hop path."""
+    total = 0
+    for size, dsts in zip(input_split_sizes, dst_indices):
+        remote = {d for d in dsts if topo.node(d) != topo.node(me)}
+        total += size * (len({topo.node(d) for d in remote}) if dedup else len(remote))
+    return total
+
+
+def _transposed(plan: A2AIndexPlan) -> A2AIndexPlan:
+    return A2AIndexPlan(plan.recv_rows, plan.recv_counts, plan.send_rows, plan.send_counts)
+
+
+_SHARED: dict[tuple, "HierarchicalCollectives"] = {}
+
+
+def shared_collectives(group: dist.ProcessGroup | None, ranks_per_node: int | None) -> "HierarchicalCollectives":
+    """One instance (one pair of subgroups) per (group, ranks_per_node) in this process; the
+    first call is collective."""
+    key = (id(group) if group is not None else None, ranks_per_node)
+    if key not in _SHARED:
+        _SHARED[key] = HierarchicalCollectives(group, ranks_per_node)
+    return _SHARED[key]
+
+
+class HierarchicalCollectives:
+    """GroupCast / GroupReduce over the two-hop path, same arguments as
+    :func:`magi_comm.group_cast` / :func:`magi_comm.group_reduce` (plus ``plan_key``).
+
+    Building it creates the intra-node and inter-node process groups: every rank of ``group``
+    must construct it at the same time.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None, cache_size: int = 64):
+        if not dist.is_initialized():
+            raise RuntimeError("HierarchicalCollectives needs an initialised torch.distributed process group")
+        world = dist.get_world_size(group)
+        self.topo = NodeTopology(world, ranks_per_node or default_ranks_per_node(world))
+        self.me = dist.get_rank(group)
+        ranks = [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
+        t = self.topo
+        self.intra = self.inter = None
+        for n in range(t.nodes):  # every rank creates every group, in the same order
+            g = dist.new_group([ranks[t.rank(n, l)] for l in range(t.ranks_per_node)])
+            if n == t.node(self.me):
+                self.intra = g
+        for l in range(t.ranks_per_node):
+            g = dist.new_group([ranks[t.rank(n, l)] for n in range(t.nodes)])
+            if l == t.local(self.me):
+                self.inter = g
+        self._cache: OrderedDict[Hashable, tuple] = OrderedDict()
+        self._cache_size = cache_size
+
+    # -- planning -------------------------------------------------------------------------
+    def _exchange_meta(self, out_meta: list[Meta], device: torch.device) -> list[Meta]:
+        """Send each node's proxy the (rows, mask) list of the splits it will receive."""
+        n = self.topo.nodes
+        if n == 1:
+            return [[]]
+        dev = device if dist.get_backend(self.inter) == "nccl" else torch.device("cpu")
+        counts = torch.tensor([2 * len(m) for m in out_meta], dtype=torch.long, device=dev)
+        rcounts = torch.empty_like(counts)
+        dist.all_to_all_single(rcounts, counts, group=self.inter)
+        flat = torch.tensor([v for m in out_meta for pair in m for v in pair], dtype=torch.long, device=dev)
+        rc = rcounts.tolist()
+        rflat = torch.empty(sum(rc), dtype=torch.long, device=dev)
+        dist.all_to_all_single(rflat, flat, output_split_sizes=rc, input_split_sizes=counts.tolist(), group=self.inter)
+        vals, res, pos = rflat.tolist(), [], 0
+        for c in rc:
+            res.append([(vals[pos + i], vals[pos + i + 1]) for i in range(0, c, 2)])
+            pos += c
+        return res
+
+    def cast_plan(self, input_split_sizes, dst_indices, output_split_sizes, src_index, device,
+                  plan_key: Hashable | None = None) -> TwoHopPlan:
+        """The two-hop plan of this rank (collective when not cached: all ranks call it)."""
+        args = (tuple(int(x) for x in input_split_sizes), tuple(tuple(int(r) for r in d) for d in dst_indices),
+                tuple(int(x) for x in output_split_sizes), tuple(int(x) for x in src_index))
+        for d in args[1]:
+            for r in d:
+                if not 0 <= r < self.topo.world:
+                    raise ValueError(f"dst_indices names rank {r}, but the group has {self.topo.world} ranks")
+        if plan_key is not None and plan_key in self._cache:
+            cached_args, plan = self._cache[plan_key]
+            if cached_args != args:
+                raise ValueError(f"plan_key {plan_key!r} was used before with other split arguments")
+            self._cache.move_to_end(plan_key)
+            return plan
+        incoming = self._exchange_meta(outgoing_meta(self.topo, self.me, args[0], args[1]), device)
+        plan = two_hop_cast_plan(self.topo, self.me, *args, incoming)
+        if plan_key is not None:
+            self._cache[plan_key] = (args, plan)
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return plan
+
+    # -- collectives ----------------------------------------------------------------------
+    def _hop(self, tensors, plan: A2AIndexPlan, inter: bool):
+        group = self.inter if inter else self.intra
+        size = self.topo.nodes if inter else self.topo.ranks_per_node
+        if inter:
+            for t in tensors:
+                row = t[0].numel() * t.element_size() if t.shape[0] else 0
+                COMM_STATS["inter_node_sent"] = COMM_STATS.get("inter_node_sent", 0) + sum(plan.send_counts) * row
+        return _exchange(tensors, plan, group, size)
+
+    def group_cast(self, input: torch.Tensor, *, input_split_sizes, output_split_sizes, dst_indices, src_index,
+                   output: torch.Tensor | None = None, async_op: bool = False, plan_key: Hashable | None = None,
+                   plan: TwoHopPlan | None = None):
+        """As :func:`magi_comm.group_cast`; hop 2 runs inside ``wait()`` of an async call.
+        ``plan``: this call's :meth:`cast_plan`, built beforehand (no metadata exchange)."""
+        if sum(input_split_sizes) != input.shape[0]:
+            raise ValueError(f"input_split_sizes sum to {sum(input_split_sizes)} but input has {input.shape[0]} rows")
+        if plan is None:
+            plan = self.cast_plan(input_split_sizes, dst_indices, output_split_sizes, src_index, input.device, plan_key)
+        n_out = sum(output_split_sizes)
+        if output is None:
+            output = input.new_zeros((n_out, *input.shape[1:]))
+        elif output.shape != (n_out, *input.shape[1:]):
+            raise ValueError(f"output must have shape {(n_out, *input.shape[1:])}, got {tuple(output.shape)}")
+        (hop1,), works = self._hop([input], plan.inter, inter=True)
+
+        def finish():
+            for w in works:
+                w.wait()
+            (hop2,), works2 = self._hop([torch.cat([input, hop1])], plan.intra, inter=False)
+            for w in works2:
+                w.wait()
+            output.index_copy_(0, plan.intra.recv_rows.to(output.device), hop2)
+            return output
+
+        pending = PendingCollective([], finish)
+        return pending if async_op else pending.wait()
+
+    def group_reduce(self, input: torch.Tensor, output: torch.Tensor, *, input_split_sizes, output_split_sizes,
+                     dst_index, src_indices, op: str = "sum", input_lse: torch.Tensor | None = None,
+                     output_lse: torch.Tensor | None = None, async_op: bool = False,
+                     plan_key: Hashable | None = None, plan: TwoHopPlan | None = None):
+        """As :func:`magi_comm.group_reduce`: partials are pre-reduced on their node's proxy, so
+        each reduced row crosses the network once. Sums run in another order than the flat
+        reduce (equal up to rounding); ``op="lse"`` merges with the same rule. ``plan``: the
+        :meth:`cast_plan` of the transposed arguments, built beforehand."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if op == "lse" and (input_lse is None or output_lse is None):
+            raise ValueError("op='lse' needs input_lse and output_lse")
+        if sum(input_split_sizes) != input.shape[0]:
+            raise ValueError(f"input_split_sizes sum to {sum(input_split_sizes)} but input has {input.shape[0]} rows")
+        if sum(output_split_sizes) != output.shape[0]:
+            raise ValueError(f"output_split_sizes sum to {sum(output_split_sizes)} but output has {output.shape[0]} rows")
+        if plan is None:  # the transpose of the cast that brought the rows here
+            plan = self.cast_plan(output_split_sizes, src_indices, input_split_sizes, dst_index, output.device, plan_key)
+        n_out, n1 = output.shape[0], plan.hop1_rows
+        tensors = [input] if op == "sum" else [input, input_lse]
+        bufs, works = self._hop(tensors, _transposed(plan.intra), inter=False)
+
+        def reduce_into(out, out_lse, rows, parts):
+            if op == "sum":
+                out.index_add_(0, rows, parts[0].to(out.dtype))
+            else:
+                lse_scatter_merge(out, out_lse, rows, parts[0], parts[1])
+
+        def finish():
+            for w in works:
+                w.wait()
+            rows = plan.intra.send_rows.to(output.device)  # positions in cat(output, proxy buffer)
+            own = rows < n_out
+            reduce_into(output, output_lse, rows[own], [b[own] for b in bufs])
+            tmp = output.new_zeros((n1, *output.shape[1:]))
+            tmp_lse = output_lse.new_full((n1, *output_lse.shape[1:]), float("-inf")) if op == "lse" else None
+            reduce_into(tmp, tmp_lse, rows[~own] - n_out, [b[~own] for b in bufs])
+            back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], _transposed(plan.inter), inter=True)
+            for w in works2:
+                w.wait()
+            reduce_into(output, output_lse, plan.inter.send_rows.to(output.device), back)
+            return output
+
+        pending = PendingCollective([], finish)
+        return pending if async_op else pending.wait()
