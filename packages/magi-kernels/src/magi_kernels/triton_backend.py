@@ -138,6 +138,14 @@ if AVAILABLE:
         return qs, qe, ks, ke, (t & 2) != 0, (t & 1) != 0
 
     @triton.jit
+    def _tile_slice(META, TILE_S, TILE_START, pid, NH):
+        """Program ``pid`` of a launch over (tile, head) pairs, heads fastest: (head, first row
+        of the tile, and its slice)."""
+        tile = pid // NH
+        qs, qe, ks, ke, inv, cau = _load_slice(META, tl.load(TILE_S + tile))
+        return pid % NH, tl.load(TILE_START + tile), qs, qe, ks, ke, inv, cau
+
+    @triton.jit
     def _row_bounds(rows, qs, qe, ks, ke, inv, cau):
         """Per-row visible keys [lo, hi): INVCAUSAL top-left, CAUSAL bottom-right."""
         lo = tl.where(inv, ks + rows - qs, ks)
@@ -154,12 +162,14 @@ if AVAILABLE:
         return lo + j0 * B, lo + tl.maximum(j0, j1) * B
 
     @triton.jit
-    def _q_tile(META, TILE_S, TILE_M, tile, BM: tl.constexpr, BN: tl.constexpr):
-        """Rows, per-row key bounds and the partial/full/partial key runs of a query tile."""
-        sid = tl.load(TILE_S + tile)
-        m0 = tl.load(TILE_M + tile)
-        qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
+    def _q_tile(Q, K, V, META, TILE_S, TILE_M, pid, HQ, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr):
+        """Setup of a query-tile program (forward, dQ): head, rows, per-row key bounds, the
+        partial/full/partial key runs, q offsets (``base + loc``), the loaded q tile and the
+        K/V head pointers."""
+        h, m0, qs, qe, ks, ke, inv, cau = _tile_slice(META, TILE_S, TILE_M, pid, HQ)
         rows = m0 + tl.arange(0, BM)
+        rmask = rows < qe
         lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
         last = tl.minimum(m0 + BM, qe) - 1
         k_lo = tl.where(inv, ks + m0 - qs, ks)
@@ -167,7 +177,29 @@ if AVAILABLE:
         full_lo = tl.where(inv, ks + last - qs, ks)  # keys every row of the tile sees
         full_hi = tl.minimum(tl.where(cau, m0 + ke - qe + 1, ke), ke)
         b1, b2 = _runs(k_lo, k_hi, full_lo, full_hi, BN)
-        return m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2
+        sqt = HQ * D
+        base = m0.to(tl.int64) * sqt + h * D
+        loc = tl.arange(0, BM)[:, None] * sqt + tl.arange(0, D)[None, :]
+        q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
+        Kp = K + (h // GROUP) * D
+        Vp = V + (h // GROUP) * D
+        return h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp
+
+    @triton.jit
+    def _kv_block_ptrs(Kp, Vp, skt, start, BN: tl.constexpr, D: tl.constexpr):
+        offs = start.to(tl.int64) * skt + tl.arange(0, BN)[:, None] * skt + tl.arange(0, D)[None, :]
+        return Kp + offs, Vp + offs
+
+    @triton.jit
+    def _load_kv(kp, vp, cols, k_hi, MASKED: tl.constexpr):
+        """K and V blocks; partial blocks are zero past k_hi."""
+        if MASKED:
+            k = tl.load(kp, mask=(cols < k_hi)[:, None], other=0.0)
+            v = tl.load(vp, mask=(cols < k_hi)[:, None], other=0.0)
+        else:
+            k = tl.load(kp)
+            v = tl.load(vp)
+        return k, v
 
     @triton.jit
     def _scores(q, kT, qk_scale, cap_in, cap_out, HAS_SOFTCAP: tl.constexpr):
@@ -182,17 +214,10 @@ if AVAILABLE:
     def _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                   BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                   WS: tl.constexpr = False):
-        offs = tl.arange(0, BN)[:, None] * skt + tl.arange(0, D)[None, :]
-        kp = Kp + start.to(tl.int64) * skt + offs
-        vp = Vp + start.to(tl.int64) * skt + offs
+        kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
         for kb in tl.range(start, end, BN, warp_specialize=WS):
             cols = kb + tl.arange(0, BN)
-            if MASKED:
-                k = tl.load(kp, mask=(cols < k_hi)[:, None], other=0.0)
-                v = tl.load(vp, mask=(cols < k_hi)[:, None], other=0.0)
-            else:
-                k = tl.load(kp)
-                v = tl.load(vp)
+            k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, _ = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
             if MASKED:
                 s = tl.where((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]), s, float("-inf"))
@@ -217,18 +242,9 @@ if AVAILABLE:
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, WS: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        h = pid % HQ
-        m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2 = _q_tile(META, TILE_S, TILE_M, pid // HQ, BM, BN)
-        sqt = HQ * D
+        h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp = _q_tile(
+            Q, K, V, META, TILE_S, TILE_M, tl.program_id(0), HQ, GROUP, BM, BN, D)
         skt = HQ // GROUP * D
-        d = tl.arange(0, D)
-        rmask = rows < qe
-        base = m0.to(tl.int64) * sqt + h * D
-        loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
-        q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
-        Kp = K + (h // GROUP) * D
-        Vp = V + (h // GROUP) * D
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
@@ -276,17 +292,10 @@ if AVAILABLE:
     @triton.jit
     def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                  BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-        offs = tl.arange(0, BN)[:, None] * skt + tl.arange(0, D)[None, :]
-        kp = Kp + start.to(tl.int64) * skt + offs
-        vp = Vp + start.to(tl.int64) * skt + offs
+        kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
         for kb in range(start, end, BN):
             cols = kb + tl.arange(0, BN)
-            if MASKED:
-                k = tl.load(kp, mask=(cols < k_hi)[:, None], other=0.0)
-                v = tl.load(vp, mask=(cols < k_hi)[:, None], other=0.0)
-            else:
-                k = tl.load(kp)
-                v = tl.load(vp)
+            k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, th = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
             p = tl.exp2(s - lse2[:, None])
             if MASKED:
@@ -307,22 +316,14 @@ if AVAILABLE:
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
-        h = pid % HQ
-        m0, qe, rows, lo, hi, k_lo, k_hi, b1, b2 = _q_tile(META, TILE_S, TILE_M, pid // HQ, BM, BN)
-        sqt = HQ * D
+        h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp = _q_tile(
+            Q, K, V, META, TILE_S, TILE_M, pid, HQ, GROUP, BM, BN, D)
         skt = HQ // GROUP * D
-        d = tl.arange(0, D)
-        rmask = rows < qe
-        base = m0.to(tl.int64) * sqt + h * D
-        loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
-        q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
         do = tl.load(DO + base + loc, mask=rmask[:, None], other=0.0)
         rptr = h.to(tl.int64) * T + rows
         lse2 = tl.load(LSE2 + rptr, mask=rmask, other=0.0)
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: p is masked to 0
         delta = tl.load(DELTA + rptr, mask=rmask, other=0.0)
-        Kp = K + (h // GROUP) * D
-        Vp = V + (h // GROUP) * D
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                       BN, D, True, HAS_SOFTCAP)
@@ -381,11 +382,7 @@ if AVAILABLE:
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
         HK = HQ // GROUP
-        hk = pid % HK
-        tile = pid // HK
-        sid = tl.load(TILE_S + tile)
-        n0 = tl.load(TILE_N + tile)
-        qs, qe, ks, ke, inv, cau = _load_slice(META, sid)
+        hk, n0, qs, qe, ks, ke, inv, cau = _tile_slice(META, TILE_S, TILE_N, pid, HK)
         cols = n0 + tl.arange(0, BN)
         cmask = cols < ke
         n_last = tl.minimum(n0 + BN, ke) - 1
