@@ -134,3 +134,21 @@ def test_gpu_backend_metadata_memo_tracks_in_place_changes():
     assert tb._host_tuple(qr, kr, tm) is first
     kr[1, 1] = 6  # in place: must not serve the stale table
     assert tb._host_tuple(qr, kr, tm) == ((0, 4, 0, 4, 1), (4, 8, 4, 6, 0))
+
+
+def test_host_cache_reads_a_tensor_once_per_object_and_version():
+    from magi_kernels.host_cache import per_tensor
+
+    calls = []
+    t = torch.tensor([0, 3, 7])
+
+    def read():
+        calls.append(1)
+        return t.tolist()
+
+    assert per_tensor(t, "cu", read) == [0, 3, 7]
+    assert per_tensor(t, "cu", read) == [0, 3, 7] and len(calls) == 1
+    t[1] = 4  # in-place change: a new version is read again
+    assert per_tensor(t, "cu", read) == [0, 4, 7] and len(calls) == 2
+    u = t.clone()  # another object with equal values is another entry
+    assert per_tensor(u, "cu", lambda: "other") == "other"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from magi_attn import DistAttnConfig, DistAttnKey, calc_attn, dispatch, get_position_ids, magi_attn_varlen_key, undispatch
+from magi_kernels.host_cache import per_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,13 @@ def _key_for_call(module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: d
             f"the magi attention backend takes packed batches of size 1 (got batch {b}); flatten documents "
             "into one row (e.g. transformers.DataCollatorWithFlattening) and pass cu_seq_lens_q or position_ids"
         )
+    # every layer gets the same tensor: read it on the host once per forward, not once per layer
     cu = kwargs.get("cu_seq_lens_q")
+    pos = kwargs.get("position_ids")
     if cu is not None:
-        cu_list = [int(x) for x in cu.tolist()]
-    elif kwargs.get("position_ids") is not None:
-        cu_list = _cu_from_position_ids(kwargs["position_ids"])
+        cu_list = per_tensor(cu, "cu_seqlens", lambda: [int(x) for x in cu.tolist()])
+    elif pos is not None:
+        cu_list = per_tensor(pos, "packed_doc_starts", lambda: _cu_from_position_ids(pos))
     else:
         cu_list = [0, s]
     causal = bool(getattr(module, "is_causal", True))

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 
 import torch
+
+from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 LOG2E = 1.4426950408889634
@@ -469,21 +470,14 @@ def _dq_config(d: int) -> tuple[int, int, int, int]:
     return _env_config("MAGI_TRITON_DQ_CFG", _DQ_DEFAULTS[d])
 
 
-_TUPLES: dict[int, tuple] = {}  # id(q_ranges) -> (weakref, stamp, slice tuple); entries die with the tensor
-
-
 def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """Slice table as a hashable tuple, memoised per range tensor (and its in-place version
-    counters), so repeated calls with the same metadata cost a dictionary lookup."""
-    key = id(q_ranges)
-    stamp = (id(k_ranges), id(types), q_ranges._version, k_ranges._version, types._version)
-    hit = _TUPLES.get(key)
-    if hit is not None and hit[0]() is q_ranges and hit[1] == stamp:
-        return hit[2]
-    t = torch.cat([q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1, 1)], dim=1).tolist()
-    value = tuple(tuple(r) for r in t)
-    _TUPLES[key] = (weakref.ref(q_ranges, lambda _, k=key: _TUPLES.pop(k, None)), stamp, value)
-    return value
+    """Slice table as a hashable tuple, memoised per range tensor (and its in-place version), so
+    repeated calls with the same metadata cost a dictionary lookup."""
+    def build():
+        t = torch.cat([q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1, 1)], dim=1).tolist()
+        return tuple(tuple(r) for r in t)
+
+    return per_tensor(q_ranges, "slice_table", build, k_ranges, types)
 
 
 def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, float]:
