@@ -74,7 +74,8 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
             key = magi_attn_flex_key([s.q_range for s in slices], [s.k_range for s in slices],
                                      [s.mask_type for s in slices], S, S, hq, hk, d, g,
                                      DistAttnConfig(DispatchConfig(chunk_size=args.chunk_size),
-                                                    OverlapConfig(degree=args.degree), kernel_backend=backend))
+                                                    OverlapConfig(degree=args.degree), kernel_backend=backend,
+                                                    comm_backend=args.comm, ranks_per_node=args.ranks_per_node))
             methods["magi"] = (lambda t: dispatch(t, key), lambda a, b, c: calc_attn(a, b, c, key))
             methods["ring_allgather"] = (lambda t: zigzag_dispatch(t, cp, rank),
                                          lambda a, b, c: ring_allgather_attn(a, b, c, slices, S, g, backend))
@@ -83,10 +84,11 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
                                       lambda a, b, c: ulysses_attn(a, b, c, slices, S, g, backend))
             for name, (shard, attn) in methods.items():
                 ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-                COMM_STATS.update(sent=0, received=0)
+                COMM_STATS.update(sent=0, received=0, inter_node_sent=0)
                 out = attn(ql, kl, vl)[0]
                 if name == "magi":  # group collectives count their bytes; the baselines use plain ones
                     res["magi_fwd_bytes_received"] = COMM_STATS["received"]
+                    res["magi_fwd_inter_node_bytes_sent"] = COMM_STATS["inter_node_sent"]  # "hier" only
                 go = torch.randn_like(out)
                 t_f = _timed(lambda: attn(ql, kl, vl), args.iters, use_cuda, g)
                 t_b = _timed(lambda: torch.autograd.grad(out, (ql, kl, vl), go, retain_graph=True), args.iters, use_cuda, g)
@@ -133,6 +135,8 @@ def main(argv=None):
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--degree", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--comm", choices=("a2a", "ipc", "hier"), default="a2a", help="magi's GroupCast/GroupReduce backend")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="for --comm hier (default LOCAL_WORLD_SIZE)")
     p.add_argument("--out", default="bench_dist.json")
     args = p.parse_args(argv)
     use_cuda = torch.cuda.device_count() >= args.cp
