@@ -152,3 +152,23 @@ def test_host_cache_reads_a_tensor_once_per_object_and_version():
     assert per_tensor(t, "cu", read) == [0, 4, 7] and len(calls) == 2
     u = t.clone()  # another object with equal values is another entry
     assert per_tensor(u, "cu", lambda: "other") == "other"
+
+
+def test_triton_tile_tables_longest_first_and_row_coverage():
+    """Host side of the Triton backend (runs without a GPU): tiles of a layer are ordered by
+    descending work, and the 'layer 0 writes every row' flag that lets outputs skip their zero
+    fill is exact (a wrong True would leave uninitialised rows)."""
+    from magi_kernels import triton_backend as tb
+
+    meta, layers, covered = tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
+    sid, start, n = layers[0]
+    assert n == 5 and covered
+    work = tb.tile_work(meta, sid, start, 0, 64)
+    assert work.tolist() == sorted(work.tolist(), reverse=True) and start.tolist()[0] == 256  # causal: last rows first
+    assert not tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
+    assert tb._tiles(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
+    assert not tb._tiles(((0, 50, 0, 100, 0), (60, 100, 0, 10, 0)), 0, 64, "cpu", 100)[2]  # gap 50..60
+    assert not tb._tiles(((0, 50, 0, 100, 0), (50, 100, 5, 5, 0)), 0, 64, "cpu", 100)[2]  # empty k range: no tile
+    # dK/dV tiles: under inv_causal (row r sees keys >= r) the last keys have the most queries
+    meta, layers, _ = tb._tiles(((0, 256, 0, 256, 2),), 2, 64, "cpu", 256)
+    assert layers[0][1].tolist() == [192, 128, 64, 0]

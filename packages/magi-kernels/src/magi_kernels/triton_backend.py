@@ -65,7 +65,7 @@ def _layers(slices: tuple[tuple[int, ...], ...], axis: int) -> list[list[int]]:
 
 
 try:
-    from . import _native  # C++ tile tables (same result as _layers below)
+    from . import _native  # C++ tile tables (same layers and tiles as _layers / _layer_tiles)
 except ImportError:
     _native = None
 
@@ -109,16 +109,15 @@ def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: s
     says whether layer 0 writes every one of ``n_rows`` rows (then outputs need no zero fill).
     """
     meta_cpu = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5)
-    layers = []
-    for sid, start in _layer_tiles(slices, axis, block):
+    layers, covered = [], 0
+    for li, (sid, start) in enumerate(_layer_tiles(slices, axis, block)):
         if len(sid):
             order = torch.sort(tile_work(meta_cpu, sid, start, axis, block), descending=True, stable=True).indices
             sid, start = sid[order], start[order]
+        if li == 0:  # rows layer 0 writes: its ranges are disjoint, each tile writes up to its range end
+            end = meta_cpu[sid.long(), axis + 1]
+            covered = int((torch.minimum(start + block, end) - start).sum())
         layers.append((sid.to(device), start.to(device), len(sid)))
-    covered = 0
-    if layers:
-        spans = sorted((slices[i][axis], slices[i][axis + 1]) for i in _layers(slices, axis)[0])
-        covered = sum(e - s for s, e in spans)  # ranges within a layer are disjoint
     return meta_cpu.to(device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
 
 
