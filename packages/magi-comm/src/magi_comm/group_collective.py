@@ -18,9 +18,10 @@ from . import native
 
 REDUCE_OPS = ("sum", "lse")
 
-# Bytes this process put on / took off the wire in group collectives (self-copies excluded);
-# benchmarks compare them with the plan. Reset with ``COMM_STATS.update(sent=0, received=0)``.
-COMM_STATS = {"sent": 0, "received": 0}
+# Bytes this process put on / took off the wire in group collectives (self-copies excluded), and
+# of those, what the two-hop path sent between nodes; benchmarks compare them with the plan.
+# Reset with ``COMM_STATS.update(sent=0, received=0, inter_node_sent=0)``.
+COMM_STATS = {"sent": 0, "received": 0, "inter_node_sent": 0}
 
 
 @dataclass(frozen=True)

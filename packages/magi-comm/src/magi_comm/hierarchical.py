@@ -35,6 +35,7 @@ from .group_collective import (
     REDUCE_OPS,
     A2AIndexPlan,
     PendingCollective,
+    _check_ranks,
     _exchange,
     _rows,
     _split_offsets,
@@ -107,7 +108,6 @@ class TwoHopPlan:
 
     inter: A2AIndexPlan
     intra: A2AIndexPlan
-    n_input: int
 
     @property
     def hop1_rows(self) -> int:
@@ -172,7 +172,7 @@ def two_hop_cast_plan(
         recv2.extend(pairs)
         recv_counts2.append(sum(s for _, s in pairs))
     intra = A2AIndexPlan(_rows(send2), tuple(counts2), _rows(recv2), tuple(recv_counts2))
-    return TwoHopPlan(inter, intra, n_input)
+    return TwoHopPlan(inter, intra)
 
 
 def inter_node_rows(topo: NodeTopology, me: int, input_split_sizes: Sequence[int],
@@ -256,9 +256,8 @@ class HierarchicalCollectives:
         args = (tuple(int(x) for x in input_split_sizes), tuple(tuple(int(r) for r in d) for d in dst_indices),
                 tuple(int(x) for x in output_split_sizes), tuple(int(x) for x in src_index))
         for d in args[1]:
-            for r in d:
-                if not 0 <= r < self.topo.world:
-                    raise ValueError(f"dst_indices names rank {r}, but the group has {self.topo.world} ranks")
+            _check_ranks(d, self.topo.world, "dst_indices")
+        _check_ranks(args[3], self.topo.world, "src_index")
         if plan_key is not None and plan_key in self._cache:
             cached_args, plan = self._cache[plan_key]
             if cached_args != args:
@@ -280,7 +279,7 @@ class HierarchicalCollectives:
         if inter:
             for t in tensors:
                 row = t[0].numel() * t.element_size() if t.shape[0] else 0
-                COMM_STATS["inter_node_sent"] = COMM_STATS.get("inter_node_sent", 0) + sum(plan.send_counts) * row
+                COMM_STATS["inter_node_sent"] += sum(plan.send_counts) * row
         return _exchange(tensors, plan, group, size)
 
     def group_cast(self, input: torch.Tensor, *, input_split_sizes, output_split_sizes, dst_indices, src_index,
