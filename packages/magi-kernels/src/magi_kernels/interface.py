@@ -6,6 +6,7 @@ kernel works under ``torch.compile`` and autograd on every backend.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -38,6 +39,13 @@ def _triton_module():
     return _TRITON
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_slow_head_dim(d: int, supported: tuple[int, ...]) -> None:
+    """Once per head dim: a GPU call that auto-selects the (slow) torch backend says why."""
+    logger.warning("head_dim %d has no Triton kernel (supported: %s): backend='auto' runs the torch reference "
+                   "backend on the GPU, which is much slower; pad heads to a supported size", d, supported)
+
+
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """Pick the backend for these inputs; ``auto`` = triton on CUDA fp16/bf16, else torch."""
     if backend not in BACKENDS:
@@ -45,6 +53,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     tri = _triton_module()
     fast_ok = tri is not None and q.is_cuda and q.dtype in _GPU_DTYPES and tri.supports_head_dim(q.shape[-1])
     if backend == "auto":
+        if not fast_ok and tri is not None and q.is_cuda and q.dtype in _GPU_DTYPES and not torch.compiler.is_compiling():
+            _warn_slow_head_dim(q.shape[-1], tri.SUPPORTED_HEAD_DIMS)
         return "triton" if fast_ok else "torch"
     if backend == "triton" and not fast_ok:
         why = (
