@@ -36,6 +36,8 @@ def test_defaults_and_overrides():
         (["dtype=int8"], "dtype must be one of"),
         (["parallel.dp=0"], "ParallelConfig.dp must be a positive int"),
         (["mask.seqlen=100000"], "exceeds model.max_position_embeddings"),
+        (["cp.comm_backend=nccl"], "cp.comm_backend must be one of"),
+        (["cp.ranks_per_node=0"], "ranks_per_node"),
     ],
 )
 def test_validation_errors(overrides, match):
@@ -57,5 +59,12 @@ def test_cp_training_matches_single_process_and_learns():
     cp_only = run(_compose("parallel.cp=2", *common))
     for a, b in zip(single["losses"], cp_only["losses"]):
         assert abs(a - b) < 1e-9, (single["losses"], cp_only["losses"])
+    # packed short documents can land whole on one rank (no remote KV at all); a causal mask
+    # makes every rank fetch KV: through all_to_all and the two-hop path (2 ranks = 2 "nodes")
+    single_c = run(_compose("parallel=single", "cp=none", *common, "mask.name=causal"))
+    for extra in ([], ["cp.comm_backend=hier", "cp.ranks_per_node=1"]):
+        other = run(_compose("parallel.cp=2", *common, "mask.name=causal", *extra))
+        for a, b in zip(single_c["losses"], other["losses"]):
+            assert abs(a - b) < 1e-9, (extra, single_c["losses"], other["losses"])
     assert cp["last_loss"] < cp["first_loss"]
     assert OmegaConf.create({"ok": True}).ok

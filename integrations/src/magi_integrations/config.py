@@ -66,16 +66,25 @@ class CPConfig:
     degree: int = 1
     chunk_size: Optional[int] = None
     kernel_backend: str = "auto"
+    comm_backend: str = "a2a"  # a2a | ipc | hier (node-aware two hops, see ranks_per_node)
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self) -> None:
+        from magi_attn.config import COMM_BACKENDS
+        from magi_kernels import BACKENDS
+
         if self.backend not in CP_BACKENDS:
             raise ValueError(f"cp.backend must be one of {CP_BACKENDS}, got {self.backend!r}")
         if not isinstance(self.degree, int) or self.degree < 0:
             raise ValueError(f"cp.degree must be an int >= 0, got {self.degree!r}")
         if self.chunk_size is not None:
             _positive(self, "chunk_size")
-        if self.kernel_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"cp.kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"cp.kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")
+        if self.comm_backend not in COMM_BACKENDS:
+            raise ValueError(f"cp.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")
+        if self.ranks_per_node is not None:
+            _positive(self, "ranks_per_node")
 
 
 @dataclass

@@ -97,7 +97,8 @@ def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results_path: st
             shard_model(model, mesh, (LlamaDecoderLayer,))
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         acfg = DistAttnConfig(DispatchConfig(chunk_size=cfg.cp.chunk_size), OverlapConfig(degree=cfg.cp.degree),
-                              kernel_backend=cfg.cp.kernel_backend)
+                              kernel_backend=cfg.cp.kernel_backend, comm_backend=cfg.cp.comm_backend,
+                              ranks_per_node=cfg.cp.ranks_per_node)
         losses, times = [], []
         bar = tqdm(range(cfg.steps), desc="train", disable=rank != 0, file=sys.stdout)
         for step in bar:
