@@ -20,17 +20,19 @@ python3 -c "import magi_comm, magi_kernels" 2>/dev/null || { echo "native instal
 python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; print('native comm', n.AVAILABLE, n.WITH_CUDA, n.REASON, '| kernels', t._native is not None)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if has tests; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/test_triton_gpu.py tests/test_native.py > $OUT/tests.log 2>&1
+  # TEST_K selects a subset of the GPU tests (pytest -k expression)
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/test_triton_gpu.py tests/test_native.py \
+    ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
   # the forward's optional warp-specialised loop (MAGI_TRITON_WS=1), d=128 bf16 cases
   MAGI_TRITON_WS=1 timeout 120 python3 -m pytest -q tests/test_triton_gpu.py -k "8-1-128-dtype0" 2>&1 | tail -1
   timeout 90 python3 -m pytest -q -rf tests/test_ipc_gpu.py 2>&1 | tail -2
 fi
 if has sweep; then
-  timeout ${SWEEP_TIMEOUT:-200} python3 bench/sweep_tiles.py --seqlen ${SWEEP_SEQLEN:-16384} --masks full varlen_causal \
-    > $OUT/sweep.jsonl 2> $OUT/sweep.err
+  timeout ${SWEEP_TIMEOUT:-200} python3 bench/sweep_tiles.py --seqlen ${SWEEP_SEQLEN:-16384} \
+    --masks ${SWEEP_MASKS:-full varlen_causal} >> $OUT/sweep.jsonl 2>> $OUT/sweep.err
   python3 -c "import json
-for l in open('$OUT/sweep.jsonl'): r=json.loads(l); print(r['mask'][:9], r['var'][12:15], r['cfg'], r.get('tflops', r.get('error','')[:60]))"
+for l in open('$OUT/sweep.jsonl'): r=json.loads(l); print(r['mask'][:9], r['var'][12:], r['cfg'], r['pass'], r.get('tflops', r.get('error','')[:60]))"
 fi
 SUM='import sys,json
 for l in sys.stdin:

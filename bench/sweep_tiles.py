@@ -23,7 +23,10 @@ SWEEP = {
     "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
     "MAGI_TRITON_WS": ["0", "1"],  # warp specialization of the forward's full-block loop
     "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
+    "MAGI_TRITON_TMA": ["0", "1"],  # TMA descriptor loads of full blocks (forward and backward)
 }
+FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS"}
+BOTH_VARS = {"MAGI_TRITON_TMA"}
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
 
 
@@ -79,19 +82,21 @@ def main() -> int:
         for var in [v_ for v_ in args.kernels if v_ in sweep] + [v_ for v_ in sweep if v_ not in SWEEP]:
             for cfg in sweep[var]:
                 os.environ[var] = cfg
-                if var in ("MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS"):
-                    fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
-                    mult = 1.0
-                else:
-                    fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
-                    mult = 2.5
-                try:
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
-                    row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "ms": round(ms, 3),
-                           "tflops": round(mult * flops / ms / 1e9, 1)}
-                except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
-                    row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "error": repr(e)[:160]}
-                print(json.dumps(row), flush=True)
+                passes = ["fwd", "bwd"] if var in BOTH_VARS else ["fwd"] if var in FWD_VARS else ["bwd"]
+                for which in passes:
+                    if which == "fwd":
+                        fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                        mult = 1.0
+                    else:
+                        fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                        mult = 2.5
+                    row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "pass": which}
+                    try:
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+                        row.update(ms=round(ms, 3), tflops=round(mult * flops / ms / 1e9, 1))
+                    except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
+                        row["error"] = repr(e)[:160]
+                    print(json.dumps(row), flush=True)
             os.environ.pop(var)
     return 0
 

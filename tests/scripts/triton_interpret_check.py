@@ -46,14 +46,16 @@ CASES = {
     "inv_k_longer": ([(0, 90, 0, 200, 2), (90, 200, 0, 200, 3)], 200),
     "causal_one_launch": ([(0, 150, 0, 150, 1)], 150),  # one layer per axis: fused dK/dV + dQ launch
 }
-SHAPES = [(4, 2, 64, 0.0), (8, 1, 128, 2.0)]
+# (hq, hk, d, softcap, TMA descriptor loads of full blocks): both load paths are covered
+SHAPES = [(4, 2, 64, 0.0, "0"), (8, 1, 128, 2.0, "1")]
 
 
 def main() -> int:
     assert tb.AVAILABLE, "triton is not importable"
     worst = 0.0
     for name, (slices, S) in CASES.items():
-        for hq, hk, d, cap in SHAPES:
+        for hq, hk, d, cap, tma in SHAPES:
+            os.environ["MAGI_TRITON_TMA"] = tma
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(S, h, d, generator=g) for h in (hq, hk, hk))
             qr = torch.tensor([s[:2] for s in slices], dtype=torch.int32)
@@ -79,7 +81,7 @@ def main() -> int:
                 "dv": (dv.double() - v64.grad).abs().max().item(),
             }
             worst = max(worst, *errs.values())
-            print(name, f"hq={hq} hk={hk} d={d} softcap={cap}", {k_: f"{e:.1e}" for k_, e in errs.items()})
+            print(name, f"hq={hq} hk={hk} d={d} softcap={cap} tma={tma}", {k_: f"{e:.1e}" for k_, e in errs.items()})
             if max(errs.values()) > 1e-4:  # fp32 inputs, fp32 accumulation: ~1e-6 expected
                 print(f"FAIL {name}: {errs}")
                 return 1

@@ -29,6 +29,7 @@ import torch
 from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+TMA_DEFAULT = False  # see _use_tma and docs/notes/kernel_measurements.md
 LOG2E = 1.4426950408889634
 
 try:
@@ -211,13 +212,17 @@ if AVAILABLE:
         return s * qk_scale, s
 
     @triton.jit
-    def _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+    def _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                   BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  WS: tl.constexpr = False):
+                  TMA: tl.constexpr, WS: tl.constexpr = False):
         kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
         for kb in tl.range(start, end, BN, warp_specialize=WS):
             cols = kb + tl.arange(0, BN)
-            k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
+            if TMA and not MASKED:  # full blocks: rows lie inside the slice, no bounds to mask
+                k = KD.load([kb, hk * D])
+                v = VD.load([kb, hk * D])
+            else:
+                k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, _ = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
             if MASKED:
                 s = tl.where((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]), s, float("-inf"))
@@ -237,23 +242,24 @@ if AVAILABLE:
 
     @triton.jit
     def _fwd_kernel(
-        Q, K, V, O, LSE, META, TILE_S, TILE_M,
+        Q, K, V, KD, VD, O, LSE, META, TILE_S, TILE_M,
         HQ, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, WS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):
         h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp = _q_tile(
             Q, K, V, META, TILE_S, TILE_M, tl.program_id(0), HQ, GROUP, BM, BN, D)
         skt = HQ // GROUP * D
+        hk = h // GROUP
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                                  BN, D, True, HAS_SOFTCAP)
-        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                                  BN, D, False, HAS_SOFTCAP, WS)
-        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                                  BN, D, True, HAS_SOFTCAP)
+        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, k_lo, b1, k_hi, lo, hi, qk_scale,
+                                  cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
+        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b1, b2, k_hi, lo, hi, qk_scale,
+                                  cap_in, cap_out, BN, D, False, HAS_SOFTCAP, TMA, WS)
+        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale,
+                                  cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
         ok = l_i > 0
         l_safe = tl.where(ok, l_i, 1.0)
         lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -290,12 +296,17 @@ if AVAILABLE:
         tl.store(LSE2 + hm, tl.load(LSE + r64, mask=rm, other=0.0) * 1.4426950408889634, mask=rm)
 
     @triton.jit
-    def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, start, end, k_hi, lo, hi, qk_scale, cap_in,
+                 cap_out, BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 TMA: tl.constexpr):
         kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
         for kb in range(start, end, BN):
             cols = kb + tl.arange(0, BN)
-            k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
+            if TMA and not MASKED:
+                k = KD.load([kb, hk * D])
+                v = VD.load([kb, hk * D])
+            else:
+                k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, th = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
             p = tl.exp2(s - lse2[:, None])
             if MASKED:
@@ -311,10 +322,10 @@ if AVAILABLE:
 
     @triton.jit
     def _dq_program(
-        Q, K, V, DO, LSE2, DELTA, DQ, META, TILE_S, TILE_M, pid, T,
+        Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, META, TILE_S, TILE_M, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr,
     ):
         h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp = _q_tile(
             Q, K, V, META, TILE_S, TILE_M, pid, HQ, GROUP, BM, BN, D)
@@ -324,22 +335,24 @@ if AVAILABLE:
         lse2 = tl.load(LSE2 + rptr, mask=rmask, other=0.0)
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: p is masked to 0
         delta = tl.load(DELTA + rptr, mask=rmask, other=0.0)
+        hk = h // GROUP
         dq = tl.zeros([BM, D], tl.float32)
-        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                      BN, D, True, HAS_SOFTCAP)
-        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                      BN, D, False, HAS_SOFTCAP)
-        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                      BN, D, True, HAS_SOFTCAP)
+        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in,
+                      cap_out, BN, D, True, HAS_SOFTCAP, TMA)
+        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in,
+                      cap_out, BN, D, False, HAS_SOFTCAP, TMA)
+        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in,
+                      cap_out, BN, D, True, HAS_SOFTCAP, TMA)
         dq = dq * scale
         if ACCUM:
             dq += tl.load(DQ + base + loc, mask=rmask[:, None], other=0.0)
         tl.store(DQ + base + loc, dq, mask=rmask[:, None])
 
     @triton.jit
-    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, start, end, q_hi, cols, qs, qe, ks, ke, inv, cau,
-                   qk_scale, cap_in, cap_out,
-                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    def _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, start, end, q_hi, cols, qs, qe, ks, ke, inv,
+                   cau, qk_scale, cap_in, cap_out,
+                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   TMA: tl.constexpr):
         d = tl.arange(0, D)
         qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM]
         dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
@@ -352,6 +365,11 @@ if AVAILABLE:
                 do = tl.load(dop, mask=rmask[:, None], other=0.0)
                 lse2 = tl.load(LSEp + rp, mask=rmask, other=0.0)
                 delta = tl.load(DELp + rp, mask=rmask, other=0.0)
+            elif TMA:
+                qT = tl.trans(QD.load([mb, h * D]))
+                do = DOD.load([mb, h * D])
+                lse2 = tl.load(LSEp + rp)
+                delta = tl.load(DELp + rp)
             else:
                 qT = tl.load(qTp)
                 do = tl.load(dop)
@@ -376,10 +394,10 @@ if AVAILABLE:
 
     @triton.jit
     def _dkdv_program(
-        Q, K, V, DO, LSE2, DELTA, DK, DV, META, TILE_S, TILE_N, pid, T,
+        Q, K, V, QD, DOD, DO, LSE2, DELTA, DK, DV, META, TILE_S, TILE_N, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr,
     ):
         HK = HQ // GROUP
         hk, n0, qs, qe, ks, ke, inv, cau = _tile_slice(META, TILE_S, TILE_N, pid, HK)
@@ -407,12 +425,12 @@ if AVAILABLE:
             DOp = DO + h * D
             LSEp = LSE2 + h.to(tl.int64) * T
             DELp = DELTA + h.to(tl.int64) * T
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, q_lo, b1, q_hi, cols, qs, qe, ks, ke,
-                                inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b1, b2, q_hi, cols, qs, qe, ks, ke,
-                                inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP)
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b2, q_hi, q_hi, cols, qs, qe, ks, ke,
-                                inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, q_lo, b1, q_hi, cols, qs, qe, ks,
+                                ke, inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP, TMA)
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, b1, b2, q_hi, cols, qs, qe, ks,
+                                ke, inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP, TMA)
+            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, b2, q_hi, q_hi, cols, qs, qe, ks,
+                                ke, inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP, TMA)
         dk = dk * scale
         kptr = kbase + kloc
         if ACCUM:
@@ -423,20 +441,21 @@ if AVAILABLE:
 
     @triton.jit
     def _bwd_kernel(
-        Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KV_META, KV_S, KV_N, Q_META, Q_S, Q_M, n_kv, T,
+        Q, K, V, QD1, DOD1, KD2, VD2, DO, LSE2, DELTA, DQ, DK, DV, KV_META, KV_S, KV_N, Q_META, Q_S, Q_M, n_kv, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr,
         D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DO_KV: tl.constexpr, DO_Q: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """Programs [0, n_kv) are dK/dV programs, the rest dQ programs: with one layer on each
         axis both run in one launch (no tail between them, both kinds resident together)."""
         pid = tl.program_id(0)
         if DO_KV and pid < n_kv:
-            _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, KV_META, KV_S, KV_N, pid, T, HQ, scale, qk_scale,
-                          cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM)
+            _dkdv_program(Q, K, V, QD1, DOD1, DO, LSE2, DELTA, DK, DV, KV_META, KV_S, KV_N, pid, T, HQ, scale,
+                          qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, TMA)
         elif DO_Q:
-            _dq_program(Q, K, V, DO, LSE2, DELTA, DQ, Q_META, Q_S, Q_M, pid - n_kv, T, HQ, scale, qk_scale,
-                        cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
+            _dq_program(Q, K, V, KD2, VD2, DO, LSE2, DELTA, DQ, Q_META, Q_S, Q_M, pid - n_kv, T, HQ, scale,
+                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM, TMA)
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -486,6 +505,28 @@ def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, flo
     return softmax_scale * LOG2E, 1.0, 1.0
 
 
+def _use_tma(x: torch.Tensor) -> bool:
+    """Load full blocks through TMA descriptors (Hopper and newer; Triton's interpreter emulates
+    them). ``MAGI_TRITON_TMA=0/1`` overrides; partial blocks always use masked pointer loads."""
+    env = os.environ.get("MAGI_TRITON_TMA")
+    if env is not None:
+        return env == "1"
+    if x.device.type != "cuda":
+        return False
+    return TMA_DEFAULT and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _descriptor(x: torch.Tensor, rows: int, use: bool):
+    """2-D TMA descriptor over a [tokens, heads, d] tensor as [tokens, heads*d] with a box of
+    ``rows`` tokens x d, or ``x`` itself when TMA is off (the kernel then never reads it as one)."""
+    if not use or x.shape[0] == 0:
+        return x
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = x.view(x.shape[0], -1)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]])
+
+
 def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
     """Output buffer; rows that no tile writes must hold ``fill``, so fill only when some exist."""
     return torch.empty(shape, dtype=dtype, device=device) if covered else torch.full(shape, fill, dtype=dtype, device=device)
@@ -504,10 +545,12 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     out = _alloc((tq, hq, d), out_dtype, q.device, covered, 0.0)
     lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
+    tma = _use_tma(q)
+    kd, vd = _descriptor(k, BN, tma), _descriptor(v, BN, tma)
     for li, (sid, start, n) in enumerate(layers):
         _fwd_kernel[(n * hq,)](
-            q, k, v, out, lse, meta, sid, start, hq, qk_scale, cap_in, cap_out,
-            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0,
+            q, k, v, kd, vd, out, lse, meta, sid, start, hq, qk_scale, cap_in, cap_out,
+            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=tma,
             WS=os.environ.get("MAGI_TRITON_WS", "0") == "1", num_warps=warps, num_stages=stages,
         )
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
@@ -536,6 +579,8 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
     dq = _alloc((tq, hq, d), torch.float32, dev, q_cov, 0.0)
     none = torch.empty(0, dtype=torch.int32, device=dev)
+    tma = _use_tma(q)
+    descs = (_descriptor(q, BM1, tma), _descriptor(do, BM1, tma), _descriptor(k, BN2, tma), _descriptor(v, BN2, tma))
 
     def launch(kv_layer, q_layer, accum, warps, stages):
         n_kv = kv_layer[2] * hk if kv_layer else 0
@@ -543,12 +588,12 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         if n_kv + n_q == 0:
             return
         _bwd_kernel[(n_kv + n_q,)](
-            q, k, v, do, lse2, delta, dq, dk, dv,
+            q, k, v, *descs, do, lse2, delta, dq, dk, dv,
             kv_meta, *(kv_layer[:2] if kv_layer else (none, none)),
             q_meta, *(q_layer[:2] if q_layer else (none, none)),
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, num_warps=warps, num_stages=stages,
+            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, TMA=tma, num_warps=warps, num_stages=stages,
         )
 
     fused = (len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
