@@ -161,14 +161,37 @@ def test_triton_tile_tables_longest_first_and_row_coverage():
     from magi_kernels import triton_backend as tb
 
     meta, layers, covered = tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
-    sid, start, n = layers[0]
-    assert n == 5 and covered
-    work = tb.tile_work(meta, sid, start, 0, 64)
+    table, members, n = layers[0]
+    assert n == 5 and covered and members.tolist() == [0] * 5
+    start, end, first, count = table.long().unbind(1)
+    work = tb.tile_work(meta, members[first], start, 0, 64)
     assert work.tolist() == sorted(work.tolist(), reverse=True) and start.tolist()[0] == 256  # causal: last rows first
+    assert end.tolist()[0] == 300 and count.tolist() == [1] * 5
     assert not tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
     assert tb._tiles(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
     assert not tb._tiles(((0, 50, 0, 100, 0), (60, 100, 0, 10, 0)), 0, 64, "cpu", 100)[2]  # gap 50..60
     assert not tb._tiles(((0, 50, 0, 100, 0), (50, 100, 5, 5, 0)), 0, 64, "cpu", 100)[2]  # empty k range: no tile
     # dK/dV tiles: under inv_causal (row r sees keys >= r) the last keys have the most queries
     meta, layers, _ = tb._tiles(((0, 256, 0, 256, 2),), 2, 64, "cpu", 256)
-    assert layers[0][1].tolist() == [192, 128, 64, 0]
+    assert layers[0][0][:, 0].tolist() == [192, 128, 64, 0]
+
+
+def test_triton_tiles_merge_slices_of_one_phase():
+    """Slices whose ranges start at the same phase of the tile grid share tiles (one layer, one
+    online softmax / one dK-dV accumulation over all members); other overlaps need layers."""
+    from magi_kernels import triton_backend as tb
+
+    # shared prefix: both slices of the document rows [100, 228) start at row 100
+    shared = ((0, 100, 0, 100, 1), (100, 228, 0, 100, 0), (100, 200, 100, 200, 1))
+    meta, layers, covered = tb._tiles(shared, 0, 64, "cpu", 228)
+    assert len(layers) == 1 and covered
+    table, members, _ = layers[0]
+    rows = {int(t[0]): (int(t[1]), sorted(members[int(t[2]):int(t[2]) + int(t[3])].tolist())) for t in table}
+    assert rows[100] == (164, [1, 2]) and rows[164] == (228, [1, 2]) and rows[0] == (64, [0])
+    # block-causal keys: every block's k range starts at the document start -> one k layer
+    blocks = tuple((b, b + 64, 0, b + 64, 0) for b in range(0, 256, 64))
+    assert len(tb._tiles(blocks, 2, 64, "cpu", 256)[1]) == 1
+    assert len(tb._layers(blocks, 2, 64)) == 1
+    # overlapping ranges of different phase conflict
+    assert len(tb._layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
+    assert len(tb._layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1

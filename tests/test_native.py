@@ -50,7 +50,7 @@ def test_kernel_tile_tables_match_python():
                        for (a, b, c, d), t in zip(raw.tolist(), torch.randint(0, 4, (15,), generator=g).tolist()))
         for axis, block in ((0, 64), (2, 128), (0, 7)):
             nat = tb._native.tiles(list(slices), axis, block)
-            ref = tb._layers(slices, axis)
+            ref = tb._layers(slices, axis, block)
             assert len(nat) == len(ref)
             for (sid, start, n), layer in zip(nat, ref):
                 want = [(i, b) for i in layer for b in range(slices[i][axis], slices[i][axis + 1], block)]

@@ -45,6 +45,9 @@ CASES = {
     "causal_q_longer": ([(0, 200, 0, 110, 1), (0, 200, 110, 200, 0)], 200),
     "inv_k_longer": ([(0, 90, 0, 200, 2), (90, 200, 0, 200, 3)], 200),
     "causal_one_launch": ([(0, 150, 0, 150, 1)], 150),  # one layer per axis: fused dK/dV + dQ launch
+    # shared prefix: slices 1 and 2 share q tiles (one softmax over both); the tile at row 72
+    # has rows past slice 2's end; slice 3 overlaps slice 1 at another phase (a second layer)
+    "merged_tiles": ([(0, 40, 0, 40, 1), (40, 110, 0, 40, 0), (40, 95, 40, 95, 1), (95, 110, 95, 110, 1)], 110),
 }
 # (hq, hk, d, softcap, TMA descriptor loads of full blocks): both load paths are covered
 SHAPES = [(4, 2, 64, 0.0, "0"), (8, 1, 128, 2.0, "1")]

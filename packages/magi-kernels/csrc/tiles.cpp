@@ -1,14 +1,15 @@
 // magi_kernels._native: host-side tile tables of the Triton backend.
 //
-// Slices are coloured into layers whose ranges on one axis (q for forward/dQ, k for dK/dV) are
-// disjoint, so no two programs of a launch write the same rows; each layer lists its tiles as
-// (slice index, first row). Same result as magi_kernels.triton_backend._layers / _tiles.
+// Slices are coloured into layers along one axis (q for forward/dQ, k for dK/dV) so that no two
+// tiles of a launch write the same rows; each layer lists its (slice index, tile start) pairs.
+// Same result as magi_kernels.triton_backend._layers / _layer_pairs.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <stdexcept>
 #include <vector>
@@ -20,29 +21,34 @@ static py::bytes as_bytes(const std::vector<int32_t>& v) {
   return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int32_t));
 }
 
-static std::vector<std::vector<int64_t>> layers(const std::vector<Slice>& s, int axis) {
+// Slices whose starts agree modulo `block` (same phase) have coinciding tiles, so they may share
+// a layer even when their ranges overlap; slices of different phase only when disjoint.
+static std::vector<std::vector<int64_t>> layers(const std::vector<Slice>& s, int axis, int64_t block) {
   std::vector<int64_t> order(s.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return s[a][axis] != s[b][axis] ? s[a][axis] < s[b][axis] : s[a][axis + 1] < s[b][axis + 1];
   });
   std::vector<std::vector<int64_t>> out;
-  std::vector<int64_t> ends;
+  std::vector<std::map<int64_t, int64_t>> ends;  // per layer: phase -> largest end
   for (int64_t i : order) {
     const auto& x = s[i];
     if (x[axis + 1] <= x[axis] || x[2] >= x[3] || x[0] >= x[1]) continue;  // empty slice
+    const int64_t start = x[axis], end = x[axis + 1], phase = start % block;
     bool placed = false;
-    for (size_t l = 0; l < ends.size(); ++l) {
-      if (ends[l] <= x[axis]) {
+    for (size_t l = 0; l < ends.size() && !placed; ++l) {
+      bool ok = true;
+      for (const auto& [ph, e] : ends[l]) ok = ok && (ph == phase || e <= start);
+      if (ok) {
         out[l].push_back(i);
-        ends[l] = x[axis + 1];
+        auto& e = ends[l][phase];
+        e = std::max(e, end);
         placed = true;
-        break;
       }
     }
     if (!placed) {
       out.push_back({i});
-      ends.push_back(x[axis + 1]);
+      ends.push_back({{phase, end}});
     }
   }
   return out;
@@ -53,7 +59,7 @@ static py::list tiles(const std::vector<Slice>& slices, int axis, int64_t block)
   if (axis != 0 && axis != 2) throw std::invalid_argument("axis must be 0 (q) or 2 (k)");
   if (block <= 0) throw std::invalid_argument("block must be positive");
   py::list out;
-  for (const auto& layer : layers(slices, axis)) {
+  for (const auto& layer : layers(slices, axis, block)) {
     std::vector<int32_t> sid, start;
     for (int64_t i : layer) {
       for (int64_t b = slices[i][axis]; b < slices[i][axis + 1]; b += block) {

@@ -1,17 +1,23 @@
 """Fused GPU backend (Triton): flash attention over (q_range, k_range, mask_type) slices.
 
-Forward: one program per (query block of a slice, query head). Keys are pruned to the block's
-visible extent and walked in three runs: partial blocks before, full blocks (no element mask,
-no -inf bookkeeping), partial blocks after. Online softmax in base 2, fp32 accumulation.
-Slices whose q ranges overlap are placed in separate *layers* (interval colouring on the host);
-each layer is one launch that LSE-merges into the fp32 output of the previous layers, so no two
-programs ever write the same row.
+Tiles: every slice is cut into blocks of rows from its start (query rows for the forward and dQ,
+key rows for dK/dV). Slices whose ranges start at the same phase of that grid have coinciding
+tiles, so one tile serves all of them: its program loops over the member slices (one online
+softmax across their keys, or one dK/dV accumulation across their queries). Only slices that
+overlap at a different phase go to separate *layers* (interval colouring on the host); a later
+layer LSE-merges (forward) or adds (backward) into the output of the previous ones, so no two
+programs ever write the same rows. Packed documents, block-causal, sliding-window and
+shared-prefix masks are all one layer.
+
+Forward: one program per (query tile, query head). Keys of each member are pruned to the
+tile's visible extent and walked in three runs: partial blocks before, full blocks (no element
+mask, no -inf bookkeeping; optionally TMA descriptor loads), partial blocks after. Online
+softmax in base 2, fp32 accumulation.
 
 Backward (no atomics): a preprocess kernel computes delta = rowsum(dO * O) - dLSE (head-major);
-dK/dV programs, one per (key block of a slice, KV head), loop over the GQA group and the visible
-query blocks (layered by k-range overlap); dQ programs, one per (query block, query head), loop
-over the visible keys (layered by q-range overlap). Scores are recomputed in both. With a single
-layer on each axis both kinds run in one launch.
+dK/dV programs, one per (key tile, KV head), loop over the GQA group and the visible query
+blocks; dQ programs, one per (query tile, query head), loop over the visible keys. Scores are
+recomputed in both. With a single layer on each axis both kinds run in one launch.
 
 Tiles of a launch are ordered longest first, heads fastest, so the heaviest work starts first
 and programs sharing K/V run side by side. Pointer offsets of the token axis are 64-bit.
@@ -45,40 +51,47 @@ def supports_head_dim(d: int) -> bool:
     return d in SUPPORTED_HEAD_DIMS
 
 
-def _layers(slices: tuple[tuple[int, ...], ...], axis: int) -> list[list[int]]:
-    """Colour slices so that within a layer the ranges on ``axis`` (0 = q, 2 = k) are disjoint."""
+def _layers(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[list[int]]:
+    """Colour slices into layers along ``axis`` (0 = q, 2 = k) so that no two tiles of a layer
+    write the same rows. Tiles start every ``block`` rows from a slice's start, so slices whose
+    starts agree modulo ``block`` (same *phase*) have coinciding tiles and may share a layer even
+    when their ranges overlap: such a tile loops over all its slices. Slices of different phase
+    share a layer only if their ranges are disjoint. Empty slices are dropped."""
     order = sorted(range(len(slices)), key=lambda i: (slices[i][axis], slices[i][axis + 1]))
-    ends: list[int] = []
+    # per layer: {phase: largest end}; a slice starting at s conflicts with a layer if a slice
+    # of another phase there ends after s (all earlier slices start at or before s)
+    ends: list[dict[int, int]] = []
     layers: list[list[int]] = []
     for i in order:
         s, e = slices[i][axis], slices[i][axis + 1]
         if e <= s or slices[i][2] >= slices[i][3] or slices[i][0] >= slices[i][1]:
             continue
-        for li, end in enumerate(ends):
-            if end <= s:
+        phase = s % block
+        for li, by_phase in enumerate(ends):
+            if all(end <= s for ph, end in by_phase.items() if ph != phase):
                 layers[li].append(i)
-                ends[li] = e
+                by_phase[phase] = max(by_phase.get(phase, e), e)
                 break
         else:
             layers.append([i])
-            ends.append(e)
+            ends.append({phase: e})
     return layers
 
 
 try:
-    from . import _native  # C++ tile tables (same layers and tiles as _layers / _layer_tiles)
+    from . import _native  # C++ tile pairs (same layers and pairs as _layers / _layer_pairs)
 except ImportError:
     _native = None
 
 
-def _layer_tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: (slice index, tile start) of every tile, int32 CPU tensors, in slice order."""
+def _layer_pairs(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: (slice index, tile start) of every slice's tiles, int32 CPU tensors, in slice order."""
     if _native is not None:
         def as_t(b: bytes) -> torch.Tensor:
             return torch.frombuffer(bytearray(b), dtype=torch.int32) if b else torch.empty(0, dtype=torch.int32)
         return [(as_t(a), as_t(b)) for a, b, _ in _native.tiles(list(slices), axis, block)]
     out = []
-    for layer in _layers(slices, axis):
+    for layer in _layers(slices, axis, block):
         pairs = [(i, b) for i in layer for b in range(slices[i][axis], slices[i][axis + 1], block)]
         out.append((torch.tensor([p[0] for p in pairs], dtype=torch.int32),
                     torch.tensor([p[1] for p in pairs], dtype=torch.int32)))
@@ -86,7 +99,8 @@ def _layer_tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> 
 
 
 def tile_work(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: int, block: int) -> torch.Tensor:
-    """Visible extent on the other axis of each tile (keys of a q tile, queries of a k tile)."""
+    """Visible extent on the other axis of each (slice, tile) pair (keys of a q tile, queries of
+    a k tile)."""
     s = meta[sid.long()].long()
     qs, qe, ks, ke, t = s.unbind(1)
     inv, cau = (t & 2) != 0, (t & 1) != 0
@@ -102,23 +116,37 @@ def tile_work(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: 
     return (hi - lo).clamp(min=0)
 
 
+def _group_tiles(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: int, block: int):
+    """Merge a layer's (slice, tile start) pairs into tiles: a table of (start, end, first member,
+    member count) per tile, ordered by descending work, and the member slice ids. ``end`` is the
+    last row any member covers (the tile writes [start, end))."""
+    order = torch.sort(start.long() * len(meta) + sid.long(), stable=True).indices  # by start, then slice
+    sid, start = sid[order], start[order]
+    starts, counts = torch.unique_consecutive(start, return_counts=True)
+    tile_of = torch.repeat_interleave(torch.arange(len(starts)), counts)
+    pair_end = torch.minimum(start.long() + block, meta[sid.long(), axis + 1].long())
+    end = torch.zeros(len(starts), dtype=torch.long).scatter_reduce(0, tile_of, pair_end, "amax", include_self=False)
+    work = torch.zeros(len(starts), dtype=torch.long).index_add_(0, tile_of, tile_work(meta, sid, start, axis, block))
+    first = torch.cumsum(counts, 0) - counts
+    table = torch.stack([starts.long(), end, first, counts.long()], 1)
+    by_work = torch.sort(work, descending=True, stable=True).indices
+    return table[by_work].to(torch.int32).contiguous(), sid.contiguous()
+
+
 @functools.lru_cache(maxsize=256)
 def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str, n_rows: int = -1):
-    """(slice table, [(tile -> slice, tile start, n tiles) per layer], layer 0 covers all rows).
+    """(slice table, [(tile table, member slice ids, n tiles) per layer], layer 0 covers all rows).
 
-    Tiles are sorted by descending work so that long tiles are scheduled first. The last flag
-    says whether layer 0 writes every one of ``n_rows`` rows (then outputs need no zero fill).
+    Tiles run longest first. The last flag says whether layer 0 writes every one of ``n_rows``
+    rows (then outputs need no zero fill).
     """
     meta_cpu = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5)
     layers, covered = [], 0
-    for li, (sid, start) in enumerate(_layer_tiles(slices, axis, block)):
-        if len(sid):
-            order = torch.sort(tile_work(meta_cpu, sid, start, axis, block), descending=True, stable=True).indices
-            sid, start = sid[order], start[order]
-        if li == 0:  # rows layer 0 writes: its ranges are disjoint, each tile writes up to its range end
-            end = meta_cpu[sid.long(), axis + 1]
-            covered = int((torch.minimum(start + block, end) - start).sum())
-        layers.append((sid.to(device), start.to(device), len(sid)))
+    for li, (sid, start) in enumerate(_layer_pairs(slices, axis, block)):
+        table, members = _group_tiles(meta_cpu, sid, start, axis, block)
+        if li == 0:  # tiles of a layer are disjoint: the rows layer 0 writes
+            covered = int((table[:, 1] - table[:, 0]).sum())
+        layers.append((table.to(device), members.to(device), len(table)))
     return meta_cpu.to(device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
 
 
@@ -139,12 +167,11 @@ if AVAILABLE:
         return qs, qe, ks, ke, (t & 2) != 0, (t & 1) != 0
 
     @triton.jit
-    def _tile_slice(META, TILE_S, TILE_START, pid, NH):
-        """Program ``pid`` of a launch over (tile, head) pairs, heads fastest: (head, first row
-        of the tile, and its slice)."""
-        tile = pid // NH
-        qs, qe, ks, ke, inv, cau = _load_slice(META, tl.load(TILE_S + tile))
-        return pid % NH, tl.load(TILE_START + tile), qs, qe, ks, ke, inv, cau
+    def _tile(TILES, pid, NH):
+        """Program ``pid`` of a launch over (tile, head) pairs, heads fastest: (head, first row,
+        end row, first member, member count) of its tile."""
+        t = TILES + (pid // NH) * 4
+        return pid % NH, tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3)
 
     @triton.jit
     def _row_bounds(rows, qs, qe, ks, ke, inv, cau):
@@ -163,28 +190,35 @@ if AVAILABLE:
         return lo + j0 * B, lo + tl.maximum(j0, j1) * B
 
     @triton.jit
-    def _q_tile(Q, K, V, META, TILE_S, TILE_M, pid, HQ, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                D: tl.constexpr):
-        """Setup of a query-tile program (forward, dQ): head, rows, per-row key bounds, the
-        partial/full/partial key runs, q offsets (``base + loc``), the loaded q tile and the
-        K/V head pointers."""
-        h, m0, qs, qe, ks, ke, inv, cau = _tile_slice(META, TILE_S, TILE_M, pid, HQ)
+    def _q_tile(Q, K, V, TILES, pid, HQ, GROUP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
+        """Setup of a query-tile program (forward, dQ): head, tile rows and members, q offsets
+        (``base + loc``), the loaded q tile and the K/V head pointers."""
+        h, m0, t_end, first, count = _tile(TILES, pid, HQ)
         rows = m0 + tl.arange(0, BM)
-        rmask = rows < qe
-        lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
-        last = tl.minimum(m0 + BM, qe) - 1
-        k_lo = tl.where(inv, ks + m0 - qs, ks)
-        k_hi = tl.minimum(tl.where(cau, last + ke - qe + 1, ke), ke)
-        full_lo = tl.where(inv, ks + last - qs, ks)  # keys every row of the tile sees
-        full_hi = tl.minimum(tl.where(cau, m0 + ke - qe + 1, ke), ke)
-        b1, b2 = _runs(k_lo, k_hi, full_lo, full_hi, BN)
+        rmask = rows < t_end
         sqt = HQ * D
         base = m0.to(tl.int64) * sqt + h * D
         loc = tl.arange(0, BM)[:, None] * sqt + tl.arange(0, D)[None, :]
         q = tl.load(Q + base + loc, mask=rmask[:, None], other=0.0)
         Kp = K + (h // GROUP) * D
         Vp = V + (h // GROUP) * D
-        return h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp
+        return h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp
+
+    @triton.jit
+    def _q_member(META, MEMBERS, i, m0, t_end, rows, BM: tl.constexpr, BN: tl.constexpr):
+        """Keys of member ``i`` of a query tile: per-row bounds [lo, hi), the tile's key extent
+        [k_lo, k_hi) and the partial/full/partial run edges b1, b2."""
+        qs, qe, ks, ke, inv, cau = _load_slice(META, tl.load(MEMBERS + i))
+        lo, hi = _row_bounds(rows, qs, qe, ks, ke, inv, cau)
+        hi = tl.where(rows < qe, hi, lo)  # tile rows past this slice (another member's) see none of it
+        last = tl.minimum(m0 + BM, qe) - 1
+        k_lo = tl.where(inv, ks + m0 - qs, ks)
+        k_hi = tl.minimum(tl.where(cau, last + ke - qe + 1, ke), ke)
+        full_lo = tl.where(inv, ks + last - qs, ks)  # keys every row of the tile sees
+        full_hi = tl.minimum(tl.where(cau, m0 + ke - qe + 1, ke), ke)
+        full_hi = tl.where(qe < t_end, full_lo, full_hi)  # rows of other members: no block is full
+        b1, b2 = _runs(k_lo, k_hi, full_lo, full_hi, BN)
+        return lo, hi, k_lo, k_hi, b1, b2
 
     @triton.jit
     def _kv_block_ptrs(Kp, Vp, skt, start, BN: tl.constexpr, D: tl.constexpr):
@@ -242,24 +276,26 @@ if AVAILABLE:
 
     @triton.jit
     def _fwd_kernel(
-        Q, K, V, KD, VD, O, LSE, META, TILE_S, TILE_M,
+        Q, K, V, KD, VD, O, LSE, META, TILES, MEMBERS,
         HQ, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):
-        h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp = _q_tile(
-            Q, K, V, META, TILE_S, TILE_M, tl.program_id(0), HQ, GROUP, BM, BN, D)
+        h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp = _q_tile(
+            Q, K, V, TILES, tl.program_id(0), HQ, GROUP, BM, D)
         skt = HQ // GROUP * D
         hk = h // GROUP
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, k_lo, b1, k_hi, lo, hi, qk_scale,
-                                  cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
-        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b1, b2, k_hi, lo, hi, qk_scale,
-                                  cap_in, cap_out, BN, D, False, HAS_SOFTCAP, TMA, WS)
-        acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale,
-                                  cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
+        for i in range(first, first + count):  # members: one online softmax over all their keys
+            lo, hi, k_lo, k_hi, b1, b2 = _q_member(META, MEMBERS, i, m0, t_end, rows, BM, BN)
+            acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, k_lo, b1, k_hi, lo, hi, qk_scale,
+                                      cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
+            acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b1, b2, k_hi, lo, hi, qk_scale,
+                                      cap_in, cap_out, BN, D, False, HAS_SOFTCAP, TMA, WS)
+            acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale,
+                                      cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
         ok = l_i > 0
         l_safe = tl.where(ok, l_i, 1.0)
         lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -296,17 +332,12 @@ if AVAILABLE:
         tl.store(LSE2 + hm, tl.load(LSE + r64, mask=rm, other=0.0) * 1.4426950408889634, mask=rm)
 
     @triton.jit
-    def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, start, end, k_hi, lo, hi, qk_scale, cap_in,
-                 cap_out, BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 TMA: tl.constexpr):
+    def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
         kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
         for kb in range(start, end, BN):
             cols = kb + tl.arange(0, BN)
-            if TMA and not MASKED:
-                k = KD.load([kb, hk * D])
-                v = VD.load([kb, hk * D])
-            else:
-                k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
+            k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, th = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
             p = tl.exp2(s - lse2[:, None])
             if MASKED:
@@ -322,37 +353,36 @@ if AVAILABLE:
 
     @triton.jit
     def _dq_program(
-        Q, K, V, KD, VD, DO, LSE2, DELTA, DQ, META, TILE_S, TILE_M, pid, T,
+        Q, K, V, DO, LSE2, DELTA, DQ, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
-        h, m0, rows, rmask, lo, hi, k_lo, k_hi, b1, b2, base, loc, q, Kp, Vp = _q_tile(
-            Q, K, V, META, TILE_S, TILE_M, pid, HQ, GROUP, BM, BN, D)
+        h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp = _q_tile(Q, K, V, TILES, pid, HQ, GROUP, BM, D)
         skt = HQ // GROUP * D
         do = tl.load(DO + base + loc, mask=rmask[:, None], other=0.0)
         rptr = h.to(tl.int64) * T + rows
         lse2 = tl.load(LSE2 + rptr, mask=rmask, other=0.0)
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without keys: p is masked to 0
         delta = tl.load(DELTA + rptr, mask=rmask, other=0.0)
-        hk = h // GROUP
         dq = tl.zeros([BM, D], tl.float32)
-        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in,
-                      cap_out, BN, D, True, HAS_SOFTCAP, TMA)
-        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in,
-                      cap_out, BN, D, False, HAS_SOFTCAP, TMA)
-        dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in,
-                      cap_out, BN, D, True, HAS_SOFTCAP, TMA)
+        for i in range(first, first + count):
+            lo, hi, k_lo, k_hi, b1, b2 = _q_member(META, MEMBERS, i, m0, t_end, rows, BM, BN)
+            dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                          BN, D, True, HAS_SOFTCAP)
+            dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                          BN, D, False, HAS_SOFTCAP)
+            dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
+                          BN, D, True, HAS_SOFTCAP)
         dq = dq * scale
         if ACCUM:
             dq += tl.load(DQ + base + loc, mask=rmask[:, None], other=0.0)
         tl.store(DQ + base + loc, dq, mask=rmask[:, None])
 
     @triton.jit
-    def _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, start, end, q_hi, cols, qs, qe, ks, ke, inv,
-                   cau, qk_scale, cap_in, cap_out,
-                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   TMA: tl.constexpr):
+    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, start, end, q_hi, cols, qs, qe, ks, ke, inv, cau,
+                   qk_scale, cap_in, cap_out,
+                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
         d = tl.arange(0, D)
         qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM]
         dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
@@ -365,11 +395,6 @@ if AVAILABLE:
                 do = tl.load(dop, mask=rmask[:, None], other=0.0)
                 lse2 = tl.load(LSEp + rp, mask=rmask, other=0.0)
                 delta = tl.load(DELp + rp, mask=rmask, other=0.0)
-            elif TMA:
-                qT = tl.trans(QD.load([mb, h * D]))
-                do = DOD.load([mb, h * D])
-                lse2 = tl.load(LSEp + rp)
-                delta = tl.load(DELp + rp)
             else:
                 qT = tl.load(qTp)
                 do = tl.load(dop)
@@ -394,22 +419,15 @@ if AVAILABLE:
 
     @triton.jit
     def _dkdv_program(
-        Q, K, V, QD, DOD, DO, LSE2, DELTA, DK, DV, META, TILE_S, TILE_N, pid, T,
+        Q, K, V, DO, LSE2, DELTA, DK, DV, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
         HK = HQ // GROUP
-        hk, n0, qs, qe, ks, ke, inv, cau = _tile_slice(META, TILE_S, TILE_N, pid, HK)
+        hk, n0, t_end, first, count = _tile(TILES, pid, HK)
         cols = n0 + tl.arange(0, BN)
-        cmask = cols < ke
-        n_last = tl.minimum(n0 + BN, ke) - 1
-        q_lo = tl.maximum(tl.where(cau, n0 - ke + qe, qs), qs)  # rows that see a key of the block
-        q_hi = tl.minimum(tl.where(inv, n_last - ks + qs + 1, qe), qe)
-        f_lo = tl.maximum(tl.where(cau, n0 + BN - 1 - ke + qe, qs), qs)  # rows that see all of them
-        f_hi = tl.minimum(tl.where(inv, n0 - ks + qs + 1, qe), qe)
-        f_hi = tl.where(n0 + BN <= ke, f_hi, f_lo)  # a block overhanging ke is never full
-        b1, b2 = _runs(q_lo, q_hi, f_lo, f_hi, BM)
+        cmask = cols < t_end
         sqt = HQ * D
         skt = HK * D
         d = tl.arange(0, D)
@@ -419,18 +437,27 @@ if AVAILABLE:
         v = tl.load(V + kbase + kloc, mask=cmask[:, None], other=0.0)
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            Qp = Q + h * D
-            DOp = DO + h * D
-            LSEp = LSE2 + h.to(tl.int64) * T
-            DELp = DELTA + h.to(tl.int64) * T
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, q_lo, b1, q_hi, cols, qs, qe, ks,
-                                ke, inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP, TMA)
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, b1, b2, q_hi, cols, qs, qe, ks,
-                                ke, inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP, TMA)
-            dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, QD, DOD, h, LSEp, DELp, sqt, b2, q_hi, q_hi, cols, qs, qe, ks,
-                                ke, inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP, TMA)
+        for i in range(first, first + count):  # members: the slices whose keys include this block
+            qs, qe, ks, ke, inv, cau = _load_slice(META, tl.load(MEMBERS + i))
+            n_last = tl.minimum(n0 + BN, ke) - 1
+            q_lo = tl.maximum(tl.where(cau, n0 - ke + qe, qs), qs)  # rows that see a key of the block
+            q_hi = tl.minimum(tl.where(inv, n_last - ks + qs + 1, qe), qe)
+            f_lo = tl.maximum(tl.where(cau, n0 + BN - 1 - ke + qe, qs), qs)  # rows that see all of them
+            f_hi = tl.minimum(tl.where(inv, n0 - ks + qs + 1, qe), qe)
+            f_hi = tl.where(n0 + BN <= ke, f_hi, f_lo)  # a block overhanging ke is never full
+            b1, b2 = _runs(q_lo, q_hi, f_lo, f_hi, BM)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                Qp = Q + h * D
+                DOp = DO + h * D
+                LSEp = LSE2 + h.to(tl.int64) * T
+                DELp = DELTA + h.to(tl.int64) * T
+                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, q_lo, b1, q_hi, cols, qs, qe, ks, ke,
+                                    inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
+                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b1, b2, q_hi, cols, qs, qe, ks, ke,
+                                    inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP)
+                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b2, q_hi, q_hi, cols, qs, qe, ks, ke,
+                                    inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
         dk = dk * scale
         kptr = kbase + kloc
         if ACCUM:
@@ -441,21 +468,20 @@ if AVAILABLE:
 
     @triton.jit
     def _bwd_kernel(
-        Q, K, V, QD1, DOD1, KD2, VD2, DO, LSE2, DELTA, DQ, DK, DV, KV_META, KV_S, KV_N, Q_META, Q_S, Q_M, n_kv, T,
+        Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KV_META, KV_TILES, KV_MEMBERS, Q_META, Q_TILES, Q_MEMBERS, n_kv, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr,
         D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DO_KV: tl.constexpr, DO_Q: tl.constexpr,
-        TMA: tl.constexpr,
     ):
         """Programs [0, n_kv) are dK/dV programs, the rest dQ programs: with one layer on each
         axis both run in one launch (no tail between them, both kinds resident together)."""
         pid = tl.program_id(0)
         if DO_KV and pid < n_kv:
-            _dkdv_program(Q, K, V, QD1, DOD1, DO, LSE2, DELTA, DK, DV, KV_META, KV_S, KV_N, pid, T, HQ, scale,
-                          qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, TMA)
+            _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, KV_META, KV_TILES, KV_MEMBERS, pid, T, HQ, scale,
+                          qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM)
         elif DO_Q:
-            _dq_program(Q, K, V, KD2, VD2, DO, LSE2, DELTA, DQ, Q_META, Q_S, Q_M, pid - n_kv, T, HQ, scale,
-                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM, TMA)
+            _dq_program(Q, K, V, DO, LSE2, DELTA, DQ, Q_META, Q_TILES, Q_MEMBERS, pid - n_kv, T, HQ, scale,
+                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -547,9 +573,9 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
     tma = _use_tma(q)
     kd, vd = _descriptor(k, BN, tma), _descriptor(v, BN, tma)
-    for li, (sid, start, n) in enumerate(layers):
+    for li, (tiles, members, n) in enumerate(layers):
         _fwd_kernel[(n * hq,)](
-            q, k, v, kd, vd, out, lse, meta, sid, start, hq, qk_scale, cap_in, cap_out,
+            q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=tma,
             WS=os.environ.get("MAGI_TRITON_WS", "0") == "1", num_warps=warps, num_stages=stages,
         )
@@ -579,8 +605,6 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
     dq = _alloc((tq, hq, d), torch.float32, dev, q_cov, 0.0)
     none = torch.empty(0, dtype=torch.int32, device=dev)
-    tma = _use_tma(q)
-    descs = (_descriptor(q, BM1, tma), _descriptor(do, BM1, tma), _descriptor(k, BN2, tma), _descriptor(v, BN2, tma))
 
     def launch(kv_layer, q_layer, accum, warps, stages):
         n_kv = kv_layer[2] * hk if kv_layer else 0
@@ -588,12 +612,12 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         if n_kv + n_q == 0:
             return
         _bwd_kernel[(n_kv + n_q,)](
-            q, k, v, *descs, do, lse2, delta, dq, dk, dv,
+            q, k, v, do, lse2, delta, dq, dk, dv,
             kv_meta, *(kv_layer[:2] if kv_layer else (none, none)),
             q_meta, *(q_layer[:2] if q_layer else (none, none)),
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, TMA=tma, num_warps=warps, num_stages=stages,
+            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, num_warps=warps, num_stages=stages,
         )
 
     fused = (len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
