@@ -35,7 +35,9 @@ import torch
 from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-TMA_DEFAULT = False  # see _use_tma and docs/notes/kernel_measurements.md
+# head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
+# faster with the 128x128 tile below; docs/notes/kernel_measurements.md)
+TMA_FWD_HEAD_DIMS = (128,)
 LOG2E = 1.4426950408889634
 
 try:
@@ -497,12 +499,13 @@ def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int
 
 # (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md
 _FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
+_FWD_TMA_DEFAULTS = {128: (128, 128, 8, 3)}
 _DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (32, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
 _DQ_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 
 
-def _fwd_config(d: int) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_FWD_CFG", _FWD_DEFAULTS[d])
+def _fwd_config(d: int, tma: bool = False) -> tuple[int, int, int, int]:
+    return _env_config("MAGI_TRITON_FWD_CFG", (_FWD_TMA_DEFAULTS if tma else _FWD_DEFAULTS).get(d, _FWD_DEFAULTS[d]))
 
 
 def _bwd_config(d: int) -> tuple[int, int, int, int]:
@@ -532,14 +535,15 @@ def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, flo
 
 
 def _use_tma(x: torch.Tensor) -> bool:
-    """Load full blocks through TMA descriptors (Hopper and newer; Triton's interpreter emulates
-    them). ``MAGI_TRITON_TMA=0/1`` overrides; partial blocks always use masked pointer loads."""
+    """Whether the forward loads full K/V blocks through TMA descriptors (Hopper and newer;
+    Triton's interpreter emulates them): by default for the head dims in TMA_FWD_HEAD_DIMS.
+    ``MAGI_TRITON_TMA=0/1`` overrides; partial blocks always use masked pointer loads."""
     env = os.environ.get("MAGI_TRITON_TMA")
     if env is not None:
         return env == "1"
     if x.device.type != "cuda":
         return False
-    return TMA_DEFAULT and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.shape[-1] in TMA_FWD_HEAD_DIMS and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _descriptor(x: torch.Tensor, rows: int, use: bool):
@@ -563,7 +567,8 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     tq, hq, d = q.shape
     hk = k.shape[1]
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
-    BM, BN, warps, stages = _fwd_config(d)
+    tma = _use_tma(q) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
+    BM, BN, warps, stages = _fwd_config(d, tma)
     meta, layers, covered = _tiles(slices, 0, BM, str(q.device), tq)
     # one layer writes every row once: the kernel can write q's dtype directly; several layers
     # merge into an fp32 accumulator
@@ -571,7 +576,6 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     out = _alloc((tq, hq, d), out_dtype, q.device, covered, 0.0)
     lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
-    tma = _use_tma(q)
     kd, vd = _descriptor(k, BN, tma), _descriptor(v, BN, tma)
     for li, (tiles, members, n) in enumerate(layers):
         _fwd_kernel[(n * hq,)](
