@@ -121,9 +121,9 @@ def run(args):
                 except Exception as e:  # noqa: BLE001
                     res["cudnn_error"] = repr(e)[:200]
             for impl in ("magi", "flex", "cudnn"):
-                if f"{impl}_fwd_ms" in res:
-                    res[f"{impl}_fwd_tflops"] = fl_f / res[f"{impl}_fwd_ms"] / 1e9
-                    res[f"{impl}_bwd_tflops"] = 2.5 * fl_f / res[f"{impl}_bwd_ms"] / 1e9
+                for which, mult in (("fwd", 1.0), ("bwd", 2.5)):  # a peer may fail after its forward
+                    if f"{impl}_{which}_ms" in res:
+                        res[f"{impl}_{which}_tflops"] = mult * fl_f / res[f"{impl}_{which}_ms"] / 1e9
             rows.append(res)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
             del q, k, v, g, qf, kf, vf
