@@ -23,10 +23,10 @@ SWEEP = {
     "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
     "MAGI_TRITON_WS": ["0", "1"],  # warp specialization of the forward's full-block loop
     "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
-    "MAGI_TRITON_TMA": ["0", "1"],  # TMA descriptor loads of full blocks (forward and backward)
+    "MAGI_TRITON_TMA": ["0", "1"],  # TMA descriptor loads of full blocks (forward)
+    "MAGI_TRITON_DQ": ["split", "atomic", "tma"],  # dQ programs, or dQ added by the dK/dV programs
 }
-FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS"}
-BOTH_VARS = {"MAGI_TRITON_TMA"}
+FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA"}
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
 
 
@@ -82,7 +82,7 @@ def main() -> int:
         for var in [v_ for v_ in args.kernels if v_ in sweep] + [v_ for v_ in sweep if v_ not in SWEEP]:
             for cfg in sweep[var]:
                 os.environ[var] = cfg
-                passes = ["fwd", "bwd"] if var in BOTH_VARS else ["fwd"] if var in FWD_VARS else ["bwd"]
+                passes = ["fwd"] if var in FWD_VARS else ["bwd"]
                 for which in passes:
                     if which == "fwd":
                         fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731

@@ -25,6 +25,22 @@ def _ragged_cases():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (8, 1, 128), (2, 2, 128), (2, 1, 256)])
 def test_triton_matches_dense(case, dtype, hq, hk, d):
+    _check_against_dense(case, dtype, hq, hk, d)
+
+
+@pytest.mark.parametrize("dq_mode", ["split", "atomic", "tma"])
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (8, 1, 128)])
+def test_triton_dq_mode_matches_dense(dq_mode, case, hq, hk, d, monkeypatch):
+    """Each way of computing dQ (own programs; added by the dK/dV programs through pointer
+    atomics or TMA reduce-adds), whichever is the default."""
+    if dq_mode == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm90+")
+    monkeypatch.setenv("MAGI_TRITON_DQ", dq_mode)
+    _check_against_dense(case, torch.bfloat16, hq, hk, d)
+
+
+def _check_against_dense(case, dtype, hq, hk, d):
     slices, S = _ragged_cases()[case]
     torch.manual_seed(0)
     q, k, v = (torch.randn(S, h, d, device="cuda", dtype=dtype, requires_grad=True) for h in (hq, hk, hk))

@@ -49,16 +49,18 @@ CASES = {
     # has rows past slice 2's end; slice 3 overlaps slice 1 at another phase (a second layer)
     "merged_tiles": ([(0, 40, 0, 40, 1), (40, 110, 0, 40, 0), (40, 95, 40, 95, 1), (95, 110, 95, 110, 1)], 110),
 }
-# (hq, hk, d, softcap, TMA descriptor loads of full blocks): both load paths are covered
-SHAPES = [(4, 2, 64, 0.0, "0"), (8, 1, 128, 2.0, "1")]
+# (hq, hk, d, softcap, TMA descriptor loads of full blocks, dQ mode): both load paths and both
+# dQ paths the interpreter can run (split dQ programs; dQ added by the dK/dV programs)
+SHAPES = [(4, 2, 64, 0.0, "0", "split"), (8, 1, 128, 2.0, "1", "atomic"), (2, 1, 64, 0.0, "0", "atomic")]
 
 
 def main() -> int:
     assert tb.AVAILABLE, "triton is not importable"
     worst = 0.0
     for name, (slices, S) in CASES.items():
-        for hq, hk, d, cap, tma in SHAPES:
+        for hq, hk, d, cap, tma, dq_mode in SHAPES:
             os.environ["MAGI_TRITON_TMA"] = tma
+            os.environ["MAGI_TRITON_DQ"] = dq_mode
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(S, h, d, generator=g) for h in (hq, hk, hk))
             qr = torch.tensor([s[:2] for s in slices], dtype=torch.int32)
@@ -84,7 +86,7 @@ def main() -> int:
                 "dv": (dv.double() - v64.grad).abs().max().item(),
             }
             worst = max(worst, *errs.values())
-            print(name, f"hq={hq} hk={hk} d={d} softcap={cap} tma={tma}", {k_: f"{e:.1e}" for k_, e in errs.items()})
+            print(name, f"hq={hq} hk={hk} d={d} softcap={cap} tma={tma} dq={dq_mode}", {k_: f"{e:.1e}" for k_, e in errs.items()})
             if max(errs.values()) > 1e-4:  # fp32 inputs, fp32 accumulation: ~1e-6 expected
                 print(f"FAIL {name}: {errs}")
                 return 1

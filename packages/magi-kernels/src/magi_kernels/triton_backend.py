@@ -382,12 +382,14 @@ if AVAILABLE:
         tl.store(DQ + base + loc, dq, mask=rmask[:, None])
 
     @triton.jit
-    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, start, end, q_hi, cols, qs, qe, ks, ke, inv, cau,
-                   qk_scale, cap_in, cap_out,
-                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, start, end, q_hi, cols, qs, qe, ks, ke,
+                   inv, cau, scale, qk_scale, cap_in, cap_out,
+                   BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   DQ_MODE: tl.constexpr):
         d = tl.arange(0, D)
         qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM]
         dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
+        dqp = DQp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
         rp = start + tl.arange(0, BM)
         for mb in range(start, end, BM):
             rows = mb + tl.arange(0, BM)
@@ -413,18 +415,28 @@ if AVAILABLE:
             dsT = pT * (dpT - delta[None, :])
             if HAS_SOFTCAP:
                 dsT = dsT * (1.0 - th * th)
-            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+            ds16 = dsT.to(qT.dtype)
+            dk = tl.dot(ds16, tl.trans(qT), dk)
+            if DQ_MODE != 0:  # this block's share of dQ = dS K, added to the fp32 dQ in memory
+                dq = tl.dot(tl.trans(ds16), k) * scale  # rows outside the slice add exact zeros
+                if DQ_MODE == 2:  # TMA bulk reduce-add (rows past the tensor end are dropped)
+                    DQD.atomic_add([mb, h * D], dq)
+                elif MASKED:
+                    tl.atomic_add(dqp, dq, mask=rmask[:, None], sem="relaxed")
+                else:
+                    tl.atomic_add(dqp, dq, sem="relaxed")
             qTp += BM * sqt
             dop += BM * sqt
+            dqp += BM * sqt
             rp += BM
         return dk, dv
 
     @triton.jit
     def _dkdv_program(
-        Q, K, V, DO, LSE2, DELTA, DK, DV, META, TILES, MEMBERS, pid, T,
+        Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, DQD, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DQ_MODE: tl.constexpr,
     ):
         HK = HQ // GROUP
         hk, n0, t_end, first, count = _tile(TILES, pid, HK)
@@ -454,12 +466,16 @@ if AVAILABLE:
                 DOp = DO + h * D
                 LSEp = LSE2 + h.to(tl.int64) * T
                 DELp = DELTA + h.to(tl.int64) * T
-                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, q_lo, b1, q_hi, cols, qs, qe, ks, ke,
-                                    inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
-                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b1, b2, q_hi, cols, qs, qe, ks, ke,
-                                    inv, cau, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP)
-                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, sqt, b2, q_hi, q_hi, cols, qs, qe, ks, ke,
-                                    inv, cau, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP)
+                DQp = DQ + h * D
+                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, q_lo, b1, q_hi, cols, qs, qe,
+                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP,
+                                    DQ_MODE)
+                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b1, b2, q_hi, cols, qs, qe,
+                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP,
+                                    DQ_MODE)
+                dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b2, q_hi, q_hi, cols, qs, qe,
+                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP,
+                                    DQ_MODE)
         dk = dk * scale
         kptr = kbase + kloc
         if ACCUM:
@@ -470,17 +486,20 @@ if AVAILABLE:
 
     @triton.jit
     def _bwd_kernel(
-        Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, KV_META, KV_TILES, KV_MEMBERS, Q_META, Q_TILES, Q_MEMBERS, n_kv, T,
-        HQ, scale, qk_scale, cap_in, cap_out,
+        Q, K, V, DO, LSE2, DELTA, DQ, DQD, DK, DV, KV_META, KV_TILES, KV_MEMBERS, Q_META, Q_TILES, Q_MEMBERS, n_kv,
+        T, HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr,
         D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DO_KV: tl.constexpr, DO_Q: tl.constexpr,
+        DQ_MODE: tl.constexpr,
     ):
         """Programs [0, n_kv) are dK/dV programs, the rest dQ programs: with one layer on each
-        axis both run in one launch (no tail between them, both kinds resident together)."""
+        axis both run in one launch (no tail between them, both kinds resident together). With
+        DQ_MODE 1 (pointer atomics) or 2 (TMA reduce-add) the dK/dV programs also add dQ and no
+        dQ programs run."""
         pid = tl.program_id(0)
         if DO_KV and pid < n_kv:
-            _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, KV_META, KV_TILES, KV_MEMBERS, pid, T, HQ, scale,
-                          qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM)
+            _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, DQD, KV_META, KV_TILES, KV_MEMBERS, pid, T, HQ,
+                          scale, qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, DQ_MODE)
         elif DO_Q:
             _dq_program(Q, K, V, DO, LSE2, DELTA, DQ, Q_META, Q_TILES, Q_MEMBERS, pid - n_kv, T, HQ, scale,
                         qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
@@ -557,6 +576,30 @@ def _descriptor(x: torch.Tensor, rows: int, use: bool):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]])
 
 
+DQ_MODES = {"split": 0, "atomic": 1, "tma": 2}
+DEFAULT_DQ_MODE = "split"  # on sm90+; see _dq_mode
+
+
+def _dq_mode(x: torch.Tensor) -> str:
+    """How the backward computes dQ:
+
+    * ``split``: dQ programs of their own (recompute scores and dP; deterministic);
+    * ``atomic``: the dK/dV programs add dS K into an fp32 dQ with pointer atomics;
+    * ``tma``: the same through TMA bulk reduce-adds (sm90+; 5 matmuls per block instead of 7).
+
+    The accumulating modes are not bitwise deterministic (the order of the fp32 adds varies), so
+    ``torch.use_deterministic_algorithms(True)`` selects ``split``. ``MAGI_TRITON_DQ`` overrides.
+    """
+    env = os.environ.get("MAGI_TRITON_DQ")
+    if env is not None:
+        if env not in DQ_MODES:
+            raise ValueError(f"MAGI_TRITON_DQ must be one of {sorted(DQ_MODES)}, got {env!r}")
+        return env
+    if torch.are_deterministic_algorithms_enabled() or x.device.type != "cuda":
+        return "split"
+    return DEFAULT_DQ_MODE if torch.cuda.get_device_capability(x.device)[0] >= 9 else "split"
+
+
 def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
     """Output buffer; rows that no tile writes must hold ``fill``, so fill only when some exist."""
     return torch.empty(shape, dtype=dtype, device=device) if covered else torch.full(shape, fill, dtype=dtype, device=device)
@@ -603,11 +646,13 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
     BM1, BN1, warps1, stages1 = _bwd_config(d)
     BM2, BN2, warps2, stages2 = _dq_config(d)
+    dq_mode = _dq_mode(q)
     kv_meta, kv_layers, kv_cov = _tiles(slices, 2, BN1, str(dev), tk)
-    q_meta, q_layers, q_cov = _tiles(slices, 0, BM2, str(dev), tq)
+    q_meta, q_layers, q_cov = _tiles(slices, 0, BM2, str(dev), tq) if dq_mode == "split" else (kv_meta, [], False)
     dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
     dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
-    dq = _alloc((tq, hq, d), torch.float32, dev, q_cov, 0.0)
+    dq = _alloc((tq, hq, d), torch.float32, dev, q_cov and dq_mode == "split", 0.0)  # atomics add into zeros
+    dqd = _descriptor(dq, BM1, dq_mode == "tma")
     none = torch.empty(0, dtype=torch.int32, device=dev)
 
     def launch(kv_layer, q_layer, accum, warps, stages):
@@ -616,13 +661,19 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         if n_kv + n_q == 0:
             return
         _bwd_kernel[(n_kv + n_q,)](
-            q, k, v, do, lse2, delta, dq, dk, dv,
+            q, k, v, do, lse2, delta, dq, dqd, dk, dv,
             kv_meta, *(kv_layer[:2] if kv_layer else (none, none)),
             q_meta, *(q_layer[:2] if q_layer else (none, none)),
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, num_warps=warps, num_stages=stages,
+            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, DQ_MODE=DQ_MODES[dq_mode],
+            num_warps=warps, num_stages=stages,
         )
+
+    if dq_mode != "split":  # the dK/dV programs add dQ: no dQ programs
+        for li, layer in enumerate(kv_layers):
+            launch(layer, None, li > 0, warps1, stages1)
+        return dq, dk, dv
 
     fused = (len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
              and os.environ.get("MAGI_TRITON_BWD_FUSE", "1") == "1")
