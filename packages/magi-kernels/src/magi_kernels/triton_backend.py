@@ -335,9 +335,10 @@ if AVAILABLE:
 
     @triton.jit
     def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 WS: tl.constexpr = False):
         kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
-        for kb in range(start, end, BN):
+        for kb in tl.range(start, end, BN, warp_specialize=WS):
             cols = kb + tl.arange(0, BN)
             k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, th = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
@@ -358,7 +359,7 @@ if AVAILABLE:
         Q, K, V, DO, LSE2, DELTA, DQ, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, WS: tl.constexpr,
     ):
         h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp = _q_tile(Q, K, V, TILES, pid, HQ, GROUP, BM, D)
         skt = HQ // GROUP * D
@@ -373,7 +374,7 @@ if AVAILABLE:
             dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                           BN, D, True, HAS_SOFTCAP)
             dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                          BN, D, False, HAS_SOFTCAP)
+                          BN, D, False, HAS_SOFTCAP, WS)
             dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                           BN, D, True, HAS_SOFTCAP)
         dq = dq * scale
@@ -385,13 +386,13 @@ if AVAILABLE:
     def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, start, end, q_hi, cols, qs, qe, ks, ke,
                    inv, cau, scale, qk_scale, cap_in, cap_out,
                    BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   DQ_MODE: tl.constexpr):
+                   DQ_MODE: tl.constexpr, WS: tl.constexpr = False):
         d = tl.arange(0, D)
         qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM]
         dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
         dqp = DQp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
         rp = start + tl.arange(0, BM)
-        for mb in range(start, end, BM):
+        for mb in tl.range(start, end, BM, warp_specialize=WS):
             rows = mb + tl.arange(0, BM)
             if MASKED:
                 rmask = rows < q_hi
@@ -436,7 +437,7 @@ if AVAILABLE:
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, DQD, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DQ_MODE: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DQ_MODE: tl.constexpr, WS: tl.constexpr,
     ):
         HK = HQ // GROUP
         hk, n0, t_end, first, count = _tile(TILES, pid, HK)
@@ -472,7 +473,7 @@ if AVAILABLE:
                                     DQ_MODE)
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b1, b2, q_hi, cols, qs, qe,
                                     ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP,
-                                    DQ_MODE)
+                                    DQ_MODE, WS)
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b2, q_hi, q_hi, cols, qs, qe,
                                     ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP,
                                     DQ_MODE)
@@ -490,7 +491,7 @@ if AVAILABLE:
         T, HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr,
         D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DO_KV: tl.constexpr, DO_Q: tl.constexpr,
-        DQ_MODE: tl.constexpr,
+        DQ_MODE: tl.constexpr, WS: tl.constexpr,
     ):
         """Programs [0, n_kv) are dK/dV programs, the rest dQ programs: with one layer on each
         axis both run in one launch (no tail between them, both kinds resident together). With
@@ -499,10 +500,10 @@ if AVAILABLE:
         pid = tl.program_id(0)
         if DO_KV and pid < n_kv:
             _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, DQD, KV_META, KV_TILES, KV_MEMBERS, pid, T, HQ,
-                          scale, qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, DQ_MODE)
+                          scale, qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, DQ_MODE, WS)
         elif DO_Q:
             _dq_program(Q, K, V, DO, LSE2, DELTA, DQ, Q_META, Q_TILES, Q_MEMBERS, pid - n_kv, T, HQ, scale,
-                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
+                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM, WS)
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -667,7 +668,7 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             DO_KV=kv_layer is not None, DO_Q=q_layer is not None, DQ_MODE=DQ_MODES[dq_mode],
-            num_warps=warps, num_stages=stages,
+            WS=os.environ.get("MAGI_TRITON_BWD_WS", "0") == "1", num_warps=warps, num_stages=stages,
         )
 
     if dq_mode != "split":  # the dK/dV programs add dQ: no dQ programs
