@@ -195,3 +195,17 @@ def test_triton_tiles_merge_slices_of_one_phase():
     # overlapping ranges of different phase conflict
     assert len(tb._layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
     assert len(tb._layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
+
+def test_triton_dq_mode_selection(monkeypatch):
+    """dQ mode: split off the GPU and under torch's deterministic mode; a bad override names
+    the variable and the choices."""
+    from magi_kernels import triton_backend as tb
+
+    x = torch.zeros(1)
+    monkeypatch.delenv("MAGI_TRITON_DQ", raising=False)
+    assert tb._dq_mode(x) == "split"
+    monkeypatch.setenv("MAGI_TRITON_DQ", "atomic")
+    assert tb._dq_mode(x) == "atomic"
+    monkeypatch.setenv("MAGI_TRITON_DQ", "fast")
+    with pytest.raises(ValueError, match="MAGI_TRITON_DQ must be one of"):
+        tb._dq_mode(x)

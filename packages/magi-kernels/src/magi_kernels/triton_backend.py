@@ -595,6 +595,8 @@ def _dq_mode(x: torch.Tensor) -> str:
     if env is not None:
         if env not in DQ_MODES:
             raise ValueError(f"MAGI_TRITON_DQ must be one of {sorted(DQ_MODES)}, got {env!r}")
+        if env == "tma" and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+            raise ValueError("MAGI_TRITON_DQ=tma needs TMA (sm90+); use 'atomic' or 'split' on this GPU")
         return env
     if torch.are_deterministic_algorithms_enabled() or x.device.type != "cuda":
         return "split"
