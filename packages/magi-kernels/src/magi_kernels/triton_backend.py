@@ -388,12 +388,17 @@ if AVAILABLE:
                    BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    DQ_MODE: tl.constexpr, WS: tl.constexpr = False):
         d = tl.arange(0, D)
-        qTp = Qp + start.to(tl.int64) * sqt + tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM]
-        dop = DOp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
-        dqp = DQp + start.to(tl.int64) * sqt + tl.arange(0, BM)[:, None] * sqt + d[None, :]
-        rp = start + tl.arange(0, BM)
+        locT = tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM] offsets of q^T in a block
+        loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
         for mb in tl.range(start, end, BM, warp_specialize=WS):
+            # block pointers are rebuilt from the 64-bit row offset each step: carrying pointer
+            # tensors (or the offset) through the pipelined loop spills dK/dV at BM=64
+            row0 = tl.cast(mb, tl.int64) * sqt
+            qTp = Qp + row0 + locT
+            dop = DOp + row0 + loc
+            dqp = DQp + row0 + loc
             rows = mb + tl.arange(0, BM)
+            rp = rows
             if MASKED:
                 rmask = rows < q_hi
                 qT = tl.load(qTp, mask=rmask[None, :], other=0.0)
@@ -426,10 +431,6 @@ if AVAILABLE:
                     tl.atomic_add(dqp, dq, mask=rmask[:, None], sem="relaxed")
                 else:
                     tl.atomic_add(dqp, dq, sem="relaxed")
-            qTp += BM * sqt
-            dop += BM * sqt
-            dqp += BM * sqt
-            rp += BM
         return dk, dv
 
     @triton.jit
@@ -461,6 +462,9 @@ if AVAILABLE:
             f_hi = tl.minimum(tl.where(inv, n0 - ks + qs + 1, qe), qe)
             f_hi = tl.where(n0 + BN <= ke, f_hi, f_lo)  # a block overhanging ke is never full
             b1, b2 = _runs(q_lo, q_hi, f_lo, f_hi, BM)
+            # partial blocks in half steps: their element mask is live next to dK/dV, and at BM=64
+            # it spills them in every loop (the TMA dQ reduce needs the descriptor's box, BM)
+            BMP: tl.constexpr = BM if DQ_MODE == 2 else BM // 2
             for g in range(GROUP):
                 h = hk * GROUP + g
                 Qp = Q + h * D
@@ -469,13 +473,13 @@ if AVAILABLE:
                 DELp = DELTA + h.to(tl.int64) * T
                 DQp = DQ + h * D
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, q_lo, b1, q_hi, cols, qs, qe,
-                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP,
+                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BMP, D, True, HAS_SOFTCAP,
                                     DQ_MODE)
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b1, b2, q_hi, cols, qs, qe,
                                     ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP,
                                     DQ_MODE, WS)
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b2, q_hi, q_hi, cols, qs, qe,
-                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, True, HAS_SOFTCAP,
+                                    ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BMP, D, True, HAS_SOFTCAP,
                                     DQ_MODE)
         dk = dk * scale
         kptr = kbase + kloc

@@ -1,0 +1,101 @@
+"""Registers and spills of the Triton kernels, compiled for a GPU target on any machine (no GPU).
+
+Compiles ``_fwd_kernel`` / ``_bwd_kernel`` for sm_90a with the bench's specialisation (bf16,
+16-byte aligned pointers) and prints ptxas' register count and stack frame, then for each
+loop of the SASS with tensor-core instructions its length and its local-memory loads/stores
+(spills inside a hot loop are what costs time; a stack frame alone may be cold).
+
+Usage: python bench/kernel_regs.py bwd BM1=64 "BM1=32,warps=8,stages=3" fwd "BN=64,TMA=False"
+(each argument after ``fwd``/``bwd`` is one config of that kernel's constexprs.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from magi_kernels import triton_backend as tb
+
+FLOATS = ("scale", "qk_scale", "cap_in", "cap_out")
+
+
+def _source(fn, ptr: dict[str, str], constexprs: dict) -> ASTSource:
+    sig = {n: ptr.get(n, "constexpr") for n in fn.arg_names}
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n, t in ptr.items() if n not in FLOATS and not t.startswith("tensordesc")}
+    return ASTSource(fn, sig, constexprs, attrs=aligned)
+
+
+def bwd_source(BM1=32, BN1=128, BM2=128, BN2=64, D=128, GROUP=6, DQ_MODE=0, WS=False, DO_Q=True) -> ASTSource:
+    f32 = ("LSE2", "DELTA", "DQ", "DQD", "DK", "DV")
+    ptr = {n: "*bf16" for n in ("Q", "K", "V", "DO")} | {n: "*fp32" for n in f32}
+    if DQ_MODE == 2:
+        ptr["DQD"] = f"tensordesc<fp32[{BM1},{D}]>"
+    ptr |= {n: "*i32" for n in ("KV_META", "KV_TILES", "KV_MEMBERS", "Q_META", "Q_TILES", "Q_MEMBERS")}
+    ptr |= {n: "i32" for n in ("n_kv", "T", "HQ")} | {n: "fp32" for n in FLOATS}
+    cst = dict(GROUP=GROUP, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=D, HAS_SOFTCAP=False, ACCUM=False,
+               DO_KV=True, DO_Q=DO_Q, DQ_MODE=DQ_MODE, WS=WS)
+    return _source(tb._bwd_kernel, ptr, cst)
+
+
+def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True, WS=False) -> ASTSource:
+    desc = f"tensordesc<bf16[{BN},{D}]>" if TMA else "*bf16"
+    ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KD": desc, "VD": desc, "O": "*bf16", "LSE": "*fp32",
+           "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "HQ": "i32"} | {n: "fp32" for n in FLOATS[1:]}
+    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, HAS_SOFTCAP=False, ACCUM=False, TMA=TMA, WS=WS)
+    return _source(tb._fwd_kernel, ptr, cst)
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loops(sass: str) -> list[str]:
+    """Innermost-first loops (backward branches) that issue tensor-core instructions."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
+    out = []
+    for addr, text in ins:
+        target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
+            n = lambda key: sum(key in t for t in body)  # noqa: E731
+            if n("HGMMA"):
+                out.append(f"  loop {target.group(1)}-{addr:x}: {len(body)} instructions, HGMMA {n('HGMMA')}, "
+                           f"LDL {n('LDL')}, STL {n('STL')}")
+    return out
+
+
+def report(src: ASTSource, warps: int, stages: int) -> list[str]:
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    regs = next(line.split()[:2] for line in usage.splitlines() if "REG:" in line)
+    return [" ".join(regs)] + loops(sass)
+
+
+def main(argv: list[str]) -> int:
+    kind = "bwd"
+    for arg in argv:
+        if arg in ("fwd", "bwd"):
+            kind = arg
+            continue
+        kw = {k: eval(v) for k, v in (item.split("=") for item in arg.split(",") if item)}  # noqa: S307 - CLI
+        warps, stages = kw.pop("warps", 8), kw.pop("stages", 3)
+        lines = report((bwd_source if kind == "bwd" else fwd_source)(**kw), warps, stages)
+        print(f"{kind} {arg} (warps {warps}, stages {stages}): {lines[0]}")
+        print("\n".join(lines[1:]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or ["bwd", "BM1=32", "BM1=64", "fwd", "TMA=True"]))
