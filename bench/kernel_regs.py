@@ -57,22 +57,29 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def loops(sass: str) -> list[str]:
-    """Innermost-first loops (backward branches) that issue tensor-core instructions."""
+def loops(sass: str) -> list[dict]:
+    """Loops (backward branches) of a SASS listing that issue tensor-core instructions:
+    address range, instruction count, HGMMA and local-memory (spill) loads/stores, and whether
+    the loop is innermost."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
-    out = []
+    spans = []
     for addr, text in ins:
         target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
-            body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
-            n = lambda key: sum(key in t for t in body)  # noqa: E731
-            if n("HGMMA"):
-                out.append(f"  loop {target.group(1)}-{addr:x}: {len(body)} instructions, HGMMA {n('HGMMA')}, "
-                           f"LDL {n('LDL')}, STL {n('STL')}")
+            spans.append((int(target.group(1), 16), addr))
+    out = []
+    for lo, hi in spans:
+        body = [t for a, t in ins if lo <= a <= hi]
+        n = lambda key: sum(key in t for t in body)  # noqa: E731
+        if n("HGMMA"):
+            inner = not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
+            out.append(dict(start=lo, end=hi, instructions=len(body), hgmma=n("HGMMA"), ldl=n("LDL"),
+                            stl=n("STL"), innermost=inner))
     return out
 
 
-def report(src: ASTSource, warps: int, stages: int) -> list[str]:
+def compile_report(src: ASTSource, warps: int, stages: int) -> tuple[str, list[dict]]:
+    """(ptxas resource line, loops) of ``src`` compiled for sm_90a."""
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -80,7 +87,7 @@ def report(src: ASTSource, warps: int, stages: int) -> list[str]:
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     regs = next(line.split()[:2] for line in usage.splitlines() if "REG:" in line)
-    return [" ".join(regs)] + loops(sass)
+    return " ".join(regs), loops(sass)
 
 
 def main(argv: list[str]) -> int:
@@ -91,9 +98,11 @@ def main(argv: list[str]) -> int:
             continue
         kw = {k: eval(v) for k, v in (item.split("=") for item in arg.split(",") if item)}  # noqa: S307 - CLI
         warps, stages = kw.pop("warps", 8), kw.pop("stages", 3)
-        lines = report((bwd_source if kind == "bwd" else fwd_source)(**kw), warps, stages)
-        print(f"{kind} {arg} (warps {warps}, stages {stages}): {lines[0]}")
-        print("\n".join(lines[1:]), flush=True)
+        regs, found = compile_report((bwd_source if kind == "bwd" else fwd_source)(**kw), warps, stages)
+        print(f"{kind} {arg} (warps {warps}, stages {stages}): {regs}")
+        for lp in found:
+            print(f"  {'inner' if lp['innermost'] else 'outer'} loop {lp['start']:x}-{lp['end']:x}: "
+                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']}, LDL {lp['ldl']}, STL {lp['stl']}", flush=True)
     return 0
 
 
