@@ -46,6 +46,11 @@ def run(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    # the timing loop calls backward with retain_graph=True, which a compiled backward with
+    # donated buffers refuses (it did at 32k after the shapes changed)
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
     flex = torch.compile(flex_attention, dynamic=False)
     dev = torch.device("cuda")
     hq, hk, d = args.heads_q, args.heads_kv, args.head_dim

@@ -524,7 +524,7 @@ def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int
 # (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md
 _FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
 _FWD_TMA_DEFAULTS = {128: (128, 128, 8, 3)}
-_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (32, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
+_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
 _DQ_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
 
 
