@@ -398,18 +398,17 @@ if AVAILABLE:
             dop = DOp + row0 + loc
             dqp = DQp + row0 + loc
             rows = mb + tl.arange(0, BM)
-            rp = rows
             if MASKED:
                 rmask = rows < q_hi
                 qT = tl.load(qTp, mask=rmask[None, :], other=0.0)
                 do = tl.load(dop, mask=rmask[:, None], other=0.0)
-                lse2 = tl.load(LSEp + rp, mask=rmask, other=0.0)
-                delta = tl.load(DELp + rp, mask=rmask, other=0.0)
+                lse2 = tl.load(LSEp + rows, mask=rmask, other=0.0)
+                delta = tl.load(DELp + rows, mask=rmask, other=0.0)
             else:
                 qT = tl.load(qTp)
                 do = tl.load(dop)
-                lse2 = tl.load(LSEp + rp)
-                delta = tl.load(DELp + rp)
+                lse2 = tl.load(LSEp + rows)
+                delta = tl.load(DELp + rows)
             sT, th = _scores(k, qT, qk_scale, cap_in, cap_out, HAS_SOFTCAP)  # [BN, BM]
             pT = tl.exp2(sT - lse2[None, :])
             if MASKED:
