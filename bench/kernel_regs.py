@@ -53,7 +53,8 @@ def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True, WS=False) -> ASTSource:
     return _source(tb._fwd_kernel, ptr, cst)
 
 
-def _tool(name: str) -> str:
+def triton_tool(name: str) -> str:
+    """Path of a CUDA tool that ships in the Triton wheel (ptxas, cuobjdump, nvdisasm)."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
@@ -84,8 +85,8 @@ def compile_report(src: ASTSource, warps: int, stages: int) -> tuple[str, list[d
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([triton_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([triton_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     regs = next(line.split()[:2] for line in usage.splitlines() if "REG:" in line)
     return " ".join(regs), loops(sass)
 

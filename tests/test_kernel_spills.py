@@ -15,17 +15,18 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiling kernels needs Triton's compiler, not its interpreter", allow_module_level=True)
 
-_TOOL = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-if not _TOOL.exists():
-    pytest.skip("this Triton has no bundled cuobjdump", allow_module_level=True)
 
-
-def _kernel_regs():
+def _load_kernel_regs():
     path = pathlib.Path(__file__).parents[1] / "bench" / "kernel_regs.py"
     spec = importlib.util.spec_from_file_location("kernel_regs", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+kr = _load_kernel_regs()
+if not os.path.exists(kr.triton_tool("cuobjdump")):
+    pytest.skip("this Triton has no bundled cuobjdump", allow_module_level=True)
 
 
 def _inner(loops):
@@ -36,7 +37,6 @@ def _inner(loops):
 def test_backward_inner_loops_do_not_spill(bm1):
     from magi_kernels import triton_backend as tb
 
-    kr = _kernel_regs()
     _, bn1, warps, stages = tb._DKDV_DEFAULTS[128]
     bm2, bn2, _, _ = tb._DQ_DEFAULTS[128]
     _, loops = kr.compile_report(kr.bwd_source(BM1=bm1, BN1=bn1, BM2=bm2, BN2=bn2), warps, stages)
@@ -50,7 +50,6 @@ def test_backward_inner_loops_do_not_spill(bm1):
 def test_forward_inner_loops_do_not_spill(tma):
     from magi_kernels import triton_backend as tb
 
-    kr = _kernel_regs()
     bm, bn, warps, stages = tb._fwd_config(128, tma)
     _, loops = kr.compile_report(kr.fwd_source(BM=bm, BN=bn, TMA=tma), warps, stages)
     inner = _inner(loops)

@@ -196,6 +196,7 @@ def test_triton_tiles_merge_slices_of_one_phase():
     assert len(tb._layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
     assert len(tb._layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
 
+
 def test_triton_dq_mode_selection(monkeypatch):
     """dQ mode: split off the GPU and under torch's deterministic mode; a bad override names
     the variable and the choices."""

@@ -396,7 +396,6 @@ if AVAILABLE:
             row0 = tl.cast(mb, tl.int64) * sqt
             qTp = Qp + row0 + locT
             dop = DOp + row0 + loc
-            dqp = DQp + row0 + loc
             rows = mb + tl.arange(0, BM)
             if MASKED:
                 rmask = rows < q_hi
@@ -424,6 +423,7 @@ if AVAILABLE:
             dk = tl.dot(ds16, tl.trans(qT), dk)
             if DQ_MODE != 0:  # this block's share of dQ = dS K, added to the fp32 dQ in memory
                 dq = tl.dot(tl.trans(ds16), k) * scale  # rows outside the slice add exact zeros
+                dqp = DQp + row0 + loc
                 if DQ_MODE == 2:  # TMA bulk reduce-add (rows past the tensor end are dropped)
                     DQD.atomic_add([mb, h * D], dq)
                 elif MASKED:
