@@ -103,7 +103,8 @@ def main(argv: list[str]) -> int:
         print(f"{kind} {arg} (warps {warps}, stages {stages}): {regs}")
         for lp in found:
             print(f"  {'inner' if lp['innermost'] else 'outer'} loop {lp['start']:x}-{lp['end']:x}: "
-                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']}, LDL {lp['ldl']}, STL {lp['stl']}", flush=True)
+                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']}, LDL {lp['ldl']}, STL {lp['stl']}",
+                  flush=True)
     return 0
 
 
