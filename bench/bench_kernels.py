@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -75,10 +76,17 @@ def run(args):
 
             o = ours()
             res["magi_fwd_ms"] = bench(ours)
-            res["magi_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
-            # metadata cost: host tuple + cached tile tables (what a call pays besides kernels)
             from magi_kernels import triton_backend as tb
 
+            if tb._use_gluon(q, k, v):  # A/B: the Triton forward in the same process
+                os.environ["MAGI_GLUON_FWD"] = "0"
+                try:
+                    res["magi_triton_fwd_ms"] = bench(ours)
+                    res["magi_triton_fwd_tflops"] = fl_f / res["magi_triton_fwd_ms"] / 1e9
+                finally:
+                    del os.environ["MAGI_GLUON_FWD"]
+            res["magi_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+            # metadata cost: host tuple + cached tile tables (what a call pays besides kernels)
             t0 = time.perf_counter()
             for _ in range(100):  # the calls above filled the caches: this is the steady state
                 tb._tiles(tb._host_tuple(qr, kr, tm), 0, tb._fwd_config(d, tb._use_tma(q))[0], str(dev), S)

@@ -53,6 +53,27 @@ def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True, WS=False) -> ASTSource:
     return _source(tb._fwd_kernel, ptr, cst)
 
 
+def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2) -> ASTSource:
+    """The warp-specialised Gluon forward (``magi_kernels.gluon_fwd``) with the bench's
+    specialisation."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from magi_kernels import gluon_fwd as gf
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
+
+    fn = gf._fwd_ws_kernel
+    ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "O": "*bf16", "LSE": "*fp32",
+           "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "HQ": "i32"} | {n: "fp32" for n in FLOATS[1:]}
+    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, PARTS=PARTS)
+    sig = {n: ptr.get(n, "constexpr") for n in fn.arg_names}
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n, t in ptr.items() if n not in FLOATS and t.startswith("*")}
+    return GluonASTSource(fn, sig, cst, attrs=aligned)
+
+
 def triton_tool(name: str) -> str:
     """Path of a CUDA tool that ships in the Triton wheel (ptxas, cuobjdump, nvdisasm)."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
@@ -79,9 +100,10 @@ def loops(sass: str) -> list[dict]:
     return out
 
 
-def compile_report(src: ASTSource, warps: int, stages: int) -> tuple[str, list[dict]]:
+def compile_report(src: ASTSource, warps: int, stages: int, **options) -> tuple[str, list[dict]]:
     """(ptxas resource line, loops) of ``src`` compiled for sm_90a."""
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=warps, num_stages=stages, **options))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from . import gluon_fwd
 from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -611,13 +612,22 @@ def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device) if covered else torch.full(shape, fill, dtype=dtype, device=device)
 
 
+def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward runs the warp-specialised Gluon kernel (``gluon_fwd``; sm90, its
+    head dims, non-empty K/V): by default where it can. ``MAGI_GLUON_FWD=0`` turns it off."""
+    if os.environ.get("MAGI_GLUON_FWD", "1") == "0" or k.shape[0] == 0 or q.shape[0] == 0:
+        return False
+    return gluon_fwd.supported(q, k, v)
+
+
 def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tq, hq, d = q.shape
     hk = k.shape[1]
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
+    gluon = _use_gluon(q, k, v)
     tma = _use_tma(q) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
-    BM, BN, warps, stages = _fwd_config(d, tma)
+    BM, BN, warps, stages = (gluon_fwd.tile_rows(d), 0, 0, 0) if gluon else _fwd_config(d, tma)
     meta, layers, covered = _tiles(slices, 0, BM, str(q.device), tq)
     # one layer writes every row once: the kernel can write q's dtype directly; several layers
     # merge into an fp32 accumulator
@@ -625,8 +635,11 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     out = _alloc((tq, hq, d), out_dtype, q.device, covered, 0.0)
     lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
-    kd, vd = _descriptor(k, BN, tma), _descriptor(v, BN, tma)
+    kd, vd = (None, None) if gluon else (_descriptor(k, BN, tma), _descriptor(v, BN, tma))
     for li, (tiles, members, n) in enumerate(layers):
+        if gluon:
+            gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, n, qk_scale, cap_in, cap_out, softcap, li > 0)
+            continue
         _fwd_kernel[(n * hq,)](
             q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=tma,

@@ -1,0 +1,293 @@
+"""Warp-specialised Hopper forward (Gluon): the FA3 schedule over the Triton backend's tiles.
+
+One program per (query tile, query head), on the same tile tables as ``triton_backend`` (so
+overlapping slices, members and layers work unchanged). The program forks into:
+
+* a loader warp (24 registers) that TMA-loads the query tile once, then every key block of the
+  tile's members into a ring of ``STAGES`` K/V shared-memory buffers; each buffer has a
+  "K ready", a "V ready" and an "empty" mbarrier;
+* two consumer warpgroups (one 128-row program of 8 warps, 240 registers each) that run the
+  online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
+  j, so the softmax of one block overlaps the tensor cores' work on the other (FA3's intra-
+  warpgroup overlap); the two warpgroups drift apart and overlap each other as well.
+
+Blocks are walked from each member's first visible key in steps of BN (as in the Triton
+kernel); a block is masked element-wise only when it is not entirely visible to every row.
+Key rows of a partial block past the member's keys are loaded (TMA reads whatever lies there,
+zeros past the tensor's end) and get probability 0, so K/V must be finite everywhere.
+
+Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    AVAILABLE = True
+except ImportError:  # no Triton, or a Triton without Gluon
+    AVAILABLE = False
+
+# (BM, BN, STAGES, PARTS) per head dim; BM is the query tile (two warpgroups of BM/2 rows, in
+# PARTS consumer partitions)
+CONFIGS = {128: (128, 128, 2, 2)}
+MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
+
+
+def _config(d: int) -> tuple[int, int, int, int]:
+    """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS`` overrides the tuned config (for tuning runs)."""
+    raw = os.environ.get("MAGI_GLUON_FWD_CFG")
+    if not raw:
+        return CONFIGS[d]
+    vals = tuple(int(x) for x in raw.split(","))
+    if len(vals) != 4 or vals[3] not in (1, 2):
+        raise ValueError(f"MAGI_GLUON_FWD_CFG must be 'BM,BN,STAGES,PARTS' with PARTS 1 or 2, got {raw!r}")
+    return vals  # type: ignore[return-value]
+
+
+def tile_rows(d: int) -> int:
+    """Query rows per tile (the block of the tile tables the launch reads)."""
+    return _config(d)[0]
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this kernel can run the forward of these inputs (sm90, a tuned head dim,
+    16-byte aligned rows)."""
+    if not AVAILABLE or q.device.type != "cuda" or q.shape[-1] not in CONFIGS:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v))
+
+
+if AVAILABLE:
+    LOADER_REGS = gl.constexpr(24)
+    CONSUMER_REGS = gl.constexpr(240)
+
+    @gluon.jit
+    def _member_keys(META, MEMBERS, i, m0, t_end, BM: gl.constexpr, BN: gl.constexpr):
+        """Slice of member ``i`` and the tile's key extent [k_lo, k_hi) and full-block run edges
+        (b1, b2): blocks starting in [b1, b2) are visible to every row of the tile."""
+        sid = gl.load(MEMBERS + i)
+        qs = gl.load(META + sid * 5 + 0)
+        qe = gl.load(META + sid * 5 + 1)
+        ks = gl.load(META + sid * 5 + 2)
+        ke = gl.load(META + sid * 5 + 3)
+        t = gl.load(META + sid * 5 + 4)
+        inv = (t & 2) != 0
+        cau = (t & 1) != 0
+        last = gl.minimum(m0 + BM, qe) - 1
+        k_lo = gl.where(inv, ks + m0 - qs, ks)
+        k_hi = gl.minimum(gl.where(cau, last + ke - qe + 1, ke), ke)
+        full_lo = gl.where(inv, ks + last - qs, ks)
+        full_hi = gl.minimum(gl.where(cau, m0 + ke - qe + 1, ke), ke)
+        full_hi = gl.where(qe < t_end, full_lo, full_hi)  # rows of other members: no block is full
+        n = gl.cdiv(gl.maximum(k_hi - k_lo, 0), BN)
+        j0 = gl.minimum(gl.cdiv(gl.maximum(full_lo - k_lo, 0), BN), n)
+        j1 = gl.minimum(gl.maximum(gl.minimum(full_hi, k_hi) - k_lo, 0) // BN, n)
+        return qs, qe, ks, ke, inv, cau, k_lo, n, j0, gl.maximum(j0, j1)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count,
+                h, hk, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        q_bar, k_bars, v_bars, empty_bars = bars
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0, h * D], q_bar, q_smem)
+        j = 0
+        for i in range(first, first + count):
+            _qs, _qe, _ks, _ke, _inv, _cau, k_lo, n, _b1, _b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
+            for t in range(n):
+                s = j % STAGES
+                mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
+                kb = k_lo + t * BN
+                mbarrier.expect(k_bars.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [kb, hk * D], k_bars.index(s), k_smem.index(s))
+                mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [kb, hk * D], v_bars.index(s), v_smem.index(s))
+                j += 1
+
+    @gluon.jit
+    def _qk(q_smem, k_smem, k_bars, j, s_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+            STAGES: gl.constexpr):
+        """Issue S = Q K^T of ring position ``j`` (asynchronous)."""
+        s = j % STAGES
+        mbarrier.wait(k_bars.index(s), (j // STAGES) & 1)
+        zero = gl.zeros([BM, BN], gl.float32, s_layout)
+        return warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _pv(p, v_smem, v_bars, acc, j, STAGES: gl.constexpr):
+        """Issue acc += P V of ring position ``j`` (asynchronous)."""
+        s = j % STAGES
+        mbarrier.wait(v_bars.index(s), (j // STAGES) & 1)
+        return warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
+
+    @gluon.jit
+    def _softmax(sc, t, kb, m_i, l_i, rows, lo, hi, b1, b2, qk_scale, cap_in, cap_out,
+                 s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
+        """Online-softmax step of block ``t`` (keys from ``kb``): probabilities, new max and sum,
+        and the rescale factor of the accumulator."""
+        if HAS_SOFTCAP:
+            x = cap_out * (1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0))
+        else:
+            x = sc * qk_scale
+        if (t < b1) | (t >= b2):  # partial block: element mask
+            cols = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+            x = gl.where(vis, x, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(x, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows without a visible key yet
+        p = gl.exp2(x - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
+                  qk_scale, cap_in, cap_out, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
+                  PART: gl.constexpr, PARTS: gl.constexpr):
+        """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of the tile, R = BM / PARTS,
+        in 4*(2/PARTS) warps. The tile's member bounds (and so the block walk) are shared with
+        the loader and the other consumer."""
+        q_bar, k_bars, v_bars, empty_bars = bars
+        R: gl.constexpr = BM // PARTS
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8 // PARTS, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8 // PARTS, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        r0 = m0 + PART * R
+        rows = r0 + gl.arange(0, R, layout=row_layout)
+        m_i = gl.full([R], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([R], gl.float32, row_layout)
+        acc = gl.zeros([R, D], gl.float32, o_layout)
+        q_rows = q_smem.slice(PART * R, R, dim=0)
+        mbarrier.wait(q_bar, 0)
+        j = 0
+        for i in range(first, first + count):
+            qs, qe, ks, ke, inv, cau, k_lo, n, b1, b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
+            lo = gl.where(inv, ks + rows - qs, ks)
+            hi = gl.minimum(gl.where(cau, rows + ke - qe + 1, ke), ke)
+            hi = gl.where(rows < qe, hi, lo)  # tile rows past this slice see none of it
+            if n > 0:
+                sc = _qk(q_rows, k_smem, k_bars, j, s_layout, R, BN, STAGES)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                p, m_i, l_i, alpha = _softmax(sc, 0, k_lo, m_i, l_i, rows, lo, hi, b1, b2, qk_scale, cap_in,
+                                              cap_out, s_layout, BN, HAS_SOFTCAP)
+                acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                for t in range(1, n):
+                    sc = _qk(q_rows, k_smem, k_bars, j + 1, s_layout, R, BN, STAGES)
+                    pop = gl.convert_layout(p.to(dtype), p_layout)
+                    acc = _pv(pop, v_smem, v_bars, acc, j, STAGES)
+                    sc = warpgroup_mma_wait(1, deps=(sc,))  # S done, P V may still run
+                    p, m_i, l_i, alpha = _softmax(sc, t, k_lo + t * BN, m_i, l_i, rows, lo, hi, b1, b2,
+                                                  qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(empty_bars.index(j % STAGES))
+                    acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                    j += 1
+                pop = gl.convert_layout(p.to(dtype), p_layout)
+                acc = _pv(pop, v_smem, v_bars, acc, j, STAGES)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty_bars.index(j % STAGES))
+                j += 1
+
+        ok = l_i > 0
+        l_safe = gl.where(ok, l_i, 1.0)
+        lse = gl.where(ok, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
+        orows = r0 + gl.arange(0, R, layout=orow_layout)
+        ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        optr = O + (orows.to(gl.int64) * HQ + h)[:, None] * D + ocols[None, :]
+        omask = (orows < t_end)[:, None]
+        lptr = LSE + rows.to(gl.int64) * HQ + h
+        rmask = rows < t_end
+        if ACCUM:  # merge with the previous layers' output and LSE
+            old_l = gl.load(lptr, mask=rmask, other=float("-inf"))
+            old_o = gl.load(optr, mask=omask, other=0.0)
+            new_l = gl.maximum(old_l, lse)
+            ref = gl.where(new_l == float("-inf"), 0.0, new_l)
+            wa = gl.exp(old_l - ref)
+            wb = gl.exp(lse - ref)
+            den = wa + wb
+            den_safe = gl.where(den > 0, den, 1.0)
+            o = (old_o * gl.convert_layout(wa, orow_layout)[:, None]
+                 + o * gl.convert_layout(wb, orow_layout)[:, None]) / gl.convert_layout(den_safe, orow_layout)[:, None]
+            lse = gl.where(den > 0, ref + gl.log(den_safe), float("-inf"))
+        gl.store(optr, o.to(O.dtype.element_ty), mask=omask)
+        gl.store(lptr, lse, mask=rmask)
+
+    @gluon.jit
+    def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, qk_scale, cap_in, cap_out,
+                       GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                       STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr):
+        pid = gl.program_id(0)
+        h = pid % HQ
+        tile = TILES + (pid // HQ) * 4
+        m0 = gl.load(tile)
+        t_end = gl.load(tile + 1)
+        first = gl.load(tile + 2)
+        count = gl.load(tile + 3)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(s), count=1)
+            mbarrier.init(v_bars.index(s), count=1)
+            mbarrier.init(empty_bars.index(s), count=PARTS)  # one arrival per consumer partition
+        bars = (q_bar, k_bars, v_bars, empty_bars)
+
+        loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first,
+                       count, h, h // GROUP, BM, BN, D, STAGES)
+        if PARTS == 1:  # both warpgroups in one 8-warp partition
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1)),
+                (_loader, loader_args)], [1], [LOADER_REGS])
+        else:  # one partition per warpgroup: they synchronise only through the mbarriers
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2)),
+                (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+    def descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
+        """TMA descriptor over a [tokens, heads, d] tensor as [tokens, heads*d], box rows x d."""
+        flat = x.view(x.shape[0], -1)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[-1]], gl.bfloat16 if x.dtype == torch.bfloat16
+                                                      else gl.float16)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]], layout)
+
+    def launch(q, k, v, out, lse, meta, tiles, members, n_tiles, qk_scale, cap_in, cap_out, softcap, accum):
+        """One launch over ``n_tiles`` query tiles x heads (tile tables of block ``CONFIGS[d][0]``)."""
+        d = q.shape[-1]
+        hq, hk = q.shape[1], k.shape[1]
+        BM, BN, stages, parts = _config(d)
+        _fwd_ws_kernel[(n_tiles * hq,)](
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq,
+            qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, num_warps=8 // parts, maxnreg=MAX_REGS,
+        )
