@@ -25,8 +25,11 @@ SWEEP = {
     "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
     "MAGI_TRITON_TMA": ["0", "1"],  # TMA descriptor loads of full blocks (forward)
     "MAGI_TRITON_DQ": ["split", "atomic", "tma"],  # dQ programs, or dQ added by the dK/dV programs
+    # the warp-specialised Gluon forward (sm90): BM,BN,STAGES,PARTS,PING; and off (Triton forward)
+    "MAGI_GLUON_FWD_CFG": ["128,128,2,2,1", "128,128,2,2,0", "128,128,3,2,1", "128,128,2,1,0", "128,64,3,2,1"],
+    "MAGI_GLUON_FWD": ["1", "0"],
 }
-FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA"}
+FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA", "MAGI_GLUON_FWD_CFG", "MAGI_GLUON_FWD"}
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
 
 

@@ -40,20 +40,21 @@ try:
 except ImportError:  # no Triton, or a Triton without Gluon
     AVAILABLE = False
 
-# (BM, BN, STAGES, PARTS) per head dim; BM is the query tile (two warpgroups of BM/2 rows, in
-# PARTS consumer partitions)
-CONFIGS = {128: (128, 128, 2, 2)}
+# (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
+# in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
+CONFIGS = {128: (128, 128, 2, 2, 1)}
 MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
 
 
-def _config(d: int) -> tuple[int, int, int, int]:
-    """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS`` overrides the tuned config (for tuning runs)."""
+def _config(d: int) -> tuple[int, int, int, int, int]:
+    """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS,PING`` overrides the tuned config (tuning runs)."""
     raw = os.environ.get("MAGI_GLUON_FWD_CFG")
     if not raw:
         return CONFIGS[d]
     vals = tuple(int(x) for x in raw.split(","))
-    if len(vals) != 4 or vals[3] not in (1, 2):
-        raise ValueError(f"MAGI_GLUON_FWD_CFG must be 'BM,BN,STAGES,PARTS' with PARTS 1 or 2, got {raw!r}")
+    if len(vals) != 5 or vals[3] not in (1, 2) or vals[4] not in (0, 1):
+        raise ValueError(f"MAGI_GLUON_FWD_CFG must be 'BM,BN,STAGES,PARTS,PING' with PARTS 1 or 2 and PING 0 or 1, "
+                         f"got {raw!r}")
     return vals  # type: ignore[return-value]
 
 
@@ -102,7 +103,7 @@ if AVAILABLE:
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count,
                 h, hk, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-        q_bar, k_bars, v_bars, empty_bars = bars
+        q_bar, k_bars, v_bars, empty_bars, _turn_bars = bars
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [m0, h * D], q_bar, q_smem)
         j = 0
@@ -135,21 +136,37 @@ if AVAILABLE:
         return warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
 
     @gluon.jit
+    def _take_turn(turn_bars, c, PART: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong (FA3): the two consumer warpgroups issue their matmuls in alternate rounds,
+        so one's softmax runs while the other's matmuls hold the tensor cores. Round ``c`` of
+        consumer 0 waits for round c-1 of consumer 1 (its first round passes: a fresh barrier's
+        phase 1 counts as complete), round c of consumer 1 for round c of consumer 0."""
+        if PINGPONG:
+            mbarrier.wait(turn_bars.index(PART), (c & 1) ^ (1 - PART))
+
+    @gluon.jit
+    def _pass_turn(turn_bars, PART: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(1 - PART))
+
+    @gluon.jit
     def _softmax(sc, t, kb, m_i, l_i, rows, lo, hi, b1, b2, qk_scale, cap_in, cap_out,
                  s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
         """Online-softmax step of block ``t`` (keys from ``kb``): probabilities, new max and sum,
         and the rescale factor of the accumulator."""
         if HAS_SOFTCAP:
             x = cap_out * (1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0))
-        else:
-            x = sc * qk_scale
+            scale = 1.0
+        else:  # scale inside the exponent: one FFMA per score (max of the raw scores, scale > 0)
+            x = sc
+            scale = qk_scale
         if (t < b1) | (t >= b2):  # partial block: element mask
             cols = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
             x = gl.where(vis, x, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, 1))
+        m_new = gl.maximum(m_i, gl.max(x, 1) * scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows without a visible key yet
-        p = gl.exp2(x - m_use[:, None])
+        p = gl.exp2(x * scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
@@ -157,11 +174,12 @@ if AVAILABLE:
     def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
                   qk_scale, cap_in, cap_out, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                  PART: gl.constexpr, PARTS: gl.constexpr):
+                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr):
         """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of the tile, R = BM / PARTS,
         in 4*(2/PARTS) warps. The tile's member bounds (and so the block walk) are shared with
         the loader and the other consumer."""
-        q_bar, k_bars, v_bars, empty_bars = bars
+        q_bar, k_bars, v_bars, empty_bars, turn_bars = bars
+        PINGPONG: gl.constexpr = PARTS == 2 and PING
         R: gl.constexpr = BM // PARTS
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8 // PARTS, 1],
                                                            instr_shape=[16, BN, 16])
@@ -179,22 +197,29 @@ if AVAILABLE:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         q_rows = q_smem.slice(PART * R, R, dim=0)
         mbarrier.wait(q_bar, 0)
-        j = 0
+        j = 0  # ring position of the next block
+        c = 0  # matmul-issue rounds (ping-pong)
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau, k_lo, n, b1, b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
             lo = gl.where(inv, ks + rows - qs, ks)
             hi = gl.minimum(gl.where(cau, rows + ke - qe + 1, ke), ke)
             hi = gl.where(rows < qe, hi, lo)  # tile rows past this slice see none of it
             if n > 0:
+                _take_turn(turn_bars, c, PART, PINGPONG)
                 sc = _qk(q_rows, k_smem, k_bars, j, s_layout, R, BN, STAGES)
+                _pass_turn(turn_bars, PART, PINGPONG)
+                c += 1
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p, m_i, l_i, alpha = _softmax(sc, 0, k_lo, m_i, l_i, rows, lo, hi, b1, b2, qk_scale, cap_in,
                                               cap_out, s_layout, BN, HAS_SOFTCAP)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                 for t in range(1, n):
-                    sc = _qk(q_rows, k_smem, k_bars, j + 1, s_layout, R, BN, STAGES)
                     pop = gl.convert_layout(p.to(dtype), p_layout)
+                    _take_turn(turn_bars, c, PART, PINGPONG)
+                    sc = _qk(q_rows, k_smem, k_bars, j + 1, s_layout, R, BN, STAGES)
                     acc = _pv(pop, v_smem, v_bars, acc, j, STAGES)
+                    _pass_turn(turn_bars, PART, PINGPONG)
+                    c += 1
                     sc = warpgroup_mma_wait(1, deps=(sc,))  # S done, P V may still run
                     p, m_i, l_i, alpha = _softmax(sc, t, k_lo + t * BN, m_i, l_i, rows, lo, hi, b1, b2,
                                                   qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP)
@@ -203,7 +228,10 @@ if AVAILABLE:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                     j += 1
                 pop = gl.convert_layout(p.to(dtype), p_layout)
+                _take_turn(turn_bars, c, PART, PINGPONG)
                 acc = _pv(pop, v_smem, v_bars, acc, j, STAGES)
+                _pass_turn(turn_bars, PART, PINGPONG)
+                c += 1
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty_bars.index(j % STAGES))
                 j += 1
@@ -236,7 +264,8 @@ if AVAILABLE:
     @gluon.jit
     def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, qk_scale, cap_in, cap_out,
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                       STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr):
+                       STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr,
+                       PING: gl.constexpr):
         pid = gl.program_id(0)
         h = pid % HQ
         tile = TILES + (pid // HQ) * 4
@@ -257,21 +286,24 @@ if AVAILABLE:
             mbarrier.init(k_bars.index(s), count=1)
             mbarrier.init(v_bars.index(s), count=1)
             mbarrier.init(empty_bars.index(s), count=PARTS)  # one arrival per consumer partition
-        bars = (q_bar, k_bars, v_bars, empty_bars)
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(turn_bars.index(s), count=1)
+        bars = (q_bar, k_bars, v_bars, empty_bars, turn_bars)
 
         loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first,
                        count, h, h // GROUP, BM, BN, D, STAGES)
         if PARTS == 1:  # both warpgroups in one 8-warp partition
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING)),
                 (_loader, loader_args)], [1], [LOADER_REGS])
         else:  # one partition per warpgroup: they synchronise only through the mbarriers
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING)),
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
@@ -285,9 +317,9 @@ if AVAILABLE:
         """One launch over ``n_tiles`` query tiles x heads (tile tables of block ``CONFIGS[d][0]``)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages, parts = _config(d)
+        BM, BN, stages, parts, ping = _config(d)
         _fwd_ws_kernel[(n_tiles * hq,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq,
             qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
-            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, num_warps=8 // parts, maxnreg=MAX_REGS,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), num_warps=8 // parts, maxnreg=MAX_REGS,
         )
