@@ -4,7 +4,7 @@ One program per (query tile, query head), on the same tile tables as ``triton_ba
 overlapping slices, members and layers work unchanged). The program forks into:
 
 * a loader warp (24 registers) that TMA-loads the query tile once, then every key block of the
-  tile's members into a ring of ``STAGES`` K/V shared-memory buffers; each buffer has a
+  tile's members into a ring of ``STAGES`` (3) K/V shared-memory buffers; each buffer has a
   "K ready", a "V ready" and an "empty" mbarrier;
 * two consumer warpgroups (one 128-row program of 8 warps, 240 registers each) that run the
   online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
@@ -42,7 +42,7 @@ except ImportError:  # no Triton, or a Triton without Gluon
 
 # (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
 # in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
-CONFIGS = {128: (128, 128, 2, 2, 1)}
+CONFIGS = {128: (128, 128, 3, 2, 1)}  # sweep: docs/notes/kernel_measurements.md (v8)
 MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
 
 
