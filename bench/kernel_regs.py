@@ -5,8 +5,9 @@ Compiles ``_fwd_kernel`` / ``_bwd_kernel`` for sm_90a with the bench's specialis
 loop of the SASS with tensor-core instructions its length and its local-memory loads/stores
 (spills inside a hot loop are what costs time; a stack frame alone may be cold).
 
-Usage: python bench/kernel_regs.py bwd BM1=64 "BM1=32,warps=8,stages=3" fwd "BN=64,TMA=False"
-(each argument after ``fwd``/``bwd`` is one config of that kernel's constexprs.)
+Usage: python bench/kernel_regs.py bwd BM1=64 "BM1=32,warps=8,stages=3" fwd "BN=64,TMA=False" gluon STAGES=3
+(each argument after ``fwd``/``bwd``/``gluon`` is one config of that kernel's constexprs; ``gluon`` is
+the warp-specialised forward of ``magi_kernels.gluon_fwd``.)
 """
 
 from __future__ import annotations
@@ -116,12 +117,18 @@ def compile_report(src: ASTSource, warps: int, stages: int, **options) -> tuple[
 def main(argv: list[str]) -> int:
     kind = "bwd"
     for arg in argv:
-        if arg in ("fwd", "bwd"):
+        if arg in ("fwd", "bwd", "gluon"):
             kind = arg
             continue
         kw = {k: eval(v) for k, v in (item.split("=") for item in arg.split(",") if item)}  # noqa: S307 - CLI
-        warps, stages = kw.pop("warps", 8), kw.pop("stages", 3)
-        regs, found = compile_report((bwd_source if kind == "bwd" else fwd_source)(**kw), warps, stages)
+        if kind == "gluon":  # constexprs of magi_kernels.gluon_fwd; warps follow PARTS
+            from magi_kernels import gluon_fwd as gf
+
+            warps, stages = 8 // kw.get("PARTS", 2), 1
+            regs, found = compile_report(gluon_fwd_source(**kw), warps, stages, maxnreg=gf.MAX_REGS)
+        else:
+            warps, stages = kw.pop("warps", 8), kw.pop("stages", 3)
+            regs, found = compile_report((bwd_source if kind == "bwd" else fwd_source)(**kw), warps, stages)
         print(f"{kind} {arg} (warps {warps}, stages {stages}): {regs}")
         for lp in found:
             print(f"  {'inner' if lp['innermost'] else 'outer'} loop {lp['start']:x}-{lp['end']:x}: "

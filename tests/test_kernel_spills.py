@@ -1,4 +1,4 @@
-"""The Triton kernels' inner loops compile for sm_90a without register spills.
+"""The Triton and Gluon kernels' inner loops compile for sm_90a without register spills.
 
 No GPU is needed: Triton compiles for a target with the ptxas it ships, and cuobjdump reads the
 SASS. Spills in the backward's dK/dV loops cost about 12 % of its time at 16k on the H200 (see
@@ -54,4 +54,20 @@ def test_forward_inner_loops_do_not_spill(tma):
     _, loops = kr.compile_report(kr.fwd_source(BM=bm, BN=bn, TMA=tma), warps, stages)
     inner = _inner(loops)
     assert len(inner) == 3, inner
+    assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
+
+
+def test_gluon_forward_compiles_without_spills():
+    """The warp-specialised Gluon forward at its default config: both consumer partitions'
+    block loops free of local-memory traffic, and no stack frame (it would be per thread of
+    240-register warpgroups)."""
+    gf = pytest.importorskip("magi_kernels.gluon_fwd")
+    if not gf.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    bm, bn, stages, parts, ping = gf.CONFIGS[128]
+    regs, loops = kr.compile_report(kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping)),
+                                    8 // parts, 1, maxnreg=gf.MAX_REGS)
+    assert regs.endswith("STACK:0"), regs
+    inner = _inner(loops)
+    assert len(inner) == parts, inner  # one block loop per consumer partition
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner

@@ -6,10 +6,11 @@ overlapping slices, members and layers work unchanged). The program forks into:
 * a loader warp (24 registers) that TMA-loads the query tile once, then every key block of the
   tile's members into a ring of ``STAGES`` (3) K/V shared-memory buffers; each buffer has a
   "K ready", a "V ready" and an "empty" mbarrier;
-* two consumer warpgroups (one 128-row program of 8 warps, 240 registers each) that run the
+* two consumer warpgroups of BM/2 rows, each its own partition (240 registers), that run the
   online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
   j, so the softmax of one block overlaps the tensor cores' work on the other (FA3's intra-
-  warpgroup overlap); the two warpgroups drift apart and overlap each other as well.
+  warpgroup overlap); with ping-pong the two warpgroups also issue their matmuls in alternate
+  rounds, so one's softmax runs while the other's matmuls hold the tensor cores.
 
 Blocks are walked from each member's first visible key in steps of BN (as in the Triton
 kernel); a block is masked element-wise only when it is not entirely visible to every row.
@@ -42,7 +43,10 @@ except ImportError:  # no Triton, or a Triton without Gluon
 
 # (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
 # in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
+# d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs 380 TFLOP/s) but its
+# correctness run did not finish on the device: not offered until it does (notes, v8)
 CONFIGS = {128: (128, 128, 3, 2, 1)}  # sweep: docs/notes/kernel_measurements.md (v8)
+DEFAULT_HEAD_DIMS = (128,)  # where it is the default forward (measured faster than Triton's)
 MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
 
 

@@ -163,7 +163,10 @@ def flex_flash_attn_func(
             ``softcap * tanh(score / softcap)`` before masking.
         out, lse: a previous partial result for the same rows over *other* keys; the new result
             is LSE-merged with it (stages chain this way). They are not modified.
-        backend: ``"auto"``, ``"torch"`` (reference, CPU/GPU) or ``"triton"`` (GPU).
+        backend: ``"auto"``, ``"torch"`` (reference, CPU/GPU) or ``"triton"`` (GPU). On sm90 at
+            head_dim 128 its forward may read up to 127 rows of k/v past the end of a slice's
+            k_range (with weight 0): those rows must be finite (NaN/inf there gives NaN rows);
+            ``MAGI_GLUON_FWD=0`` selects a forward that never reads them.
         check_ranges: validate ranges on the host (a device sync when the ranges live on the GPU).
             Ranges given as lists or CPU tensors cost no device sync at all: the GPU backend
             uploads the tile tables once and caches them.

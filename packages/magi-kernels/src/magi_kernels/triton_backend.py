@@ -12,7 +12,8 @@ shared-prefix masks are all one layer.
 Forward: one program per (query tile, query head). Keys of each member are pruned to the
 tile's visible extent and walked in three runs: partial blocks before, full blocks (no element
 mask, no -inf bookkeeping; optionally TMA descriptor loads), partial blocks after. Online
-softmax in base 2, fp32 accumulation.
+softmax in base 2, fp32 accumulation. On sm90 at d=128 the forward runs instead as the
+warp-specialised Gluon kernel of ``gluon_fwd`` over the same tile tables (``_use_gluon``).
 
 Backward (no atomics): a preprocess kernel computes delta = rowsum(dO * O) - dLSE (head-major);
 dK/dV programs, one per (key tile, KV head), loop over the GQA group and the visible query
@@ -613,11 +614,13 @@ def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
 
 
 def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the forward runs the warp-specialised Gluon kernel (``gluon_fwd``; sm90, its
-    head dims, non-empty K/V): by default where it can. ``MAGI_GLUON_FWD=0`` turns it off."""
-    if os.environ.get("MAGI_GLUON_FWD", "1") == "0" or k.shape[0] == 0 or q.shape[0] == 0:
+    """Whether the forward runs the warp-specialised Gluon kernel (``gluon_fwd``; sm90, a head
+    dim it has a config for, non-empty K/V): by default for ``gluon_fwd.DEFAULT_HEAD_DIMS``.
+    ``MAGI_GLUON_FWD=0`` turns it off, ``=1`` turns it on for every head dim it supports."""
+    env = os.environ.get("MAGI_GLUON_FWD")
+    if env == "0" or k.shape[0] == 0 or q.shape[0] == 0 or not gluon_fwd.supported(q, k, v):
         return False
-    return gluon_fwd.supported(q, k, v)
+    return env == "1" or q.shape[-1] in gluon_fwd.DEFAULT_HEAD_DIMS
 
 
 def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
