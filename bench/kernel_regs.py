@@ -27,11 +27,11 @@ from magi_kernels import triton_backend as tb
 FLOATS = ("scale", "qk_scale", "cap_in", "cap_out")
 
 
-def _source(fn, ptr: dict[str, str], constexprs: dict) -> ASTSource:
+def _source(fn, ptr: dict[str, str], constexprs: dict, cls=ASTSource) -> ASTSource:
     sig = {n: ptr.get(n, "constexpr") for n in fn.arg_names}
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                for n, t in ptr.items() if n not in FLOATS and not t.startswith("tensordesc")}
-    return ASTSource(fn, sig, constexprs, attrs=aligned)
+    return cls(fn, sig, constexprs, attrs=aligned)
 
 
 def bwd_source(BM1=32, BN1=128, BM2=128, BN2=64, D=128, GROUP=6, DQ_MODE=0, WS=False, DO_Q=True) -> ASTSource:
@@ -65,14 +65,10 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
     def desc(rows):
         return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
 
-    fn = gf._fwd_ws_kernel
     ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "O": "*bf16", "LSE": "*fp32",
            "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "HQ": "i32"} | {n: "fp32" for n in FLOATS[1:]}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, PARTS=PARTS, PING=PING)
-    sig = {n: ptr.get(n, "constexpr") for n in fn.arg_names}
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-               for n, t in ptr.items() if n not in FLOATS and t.startswith("*")}
-    return GluonASTSource(fn, sig, cst, attrs=aligned)
+    return _source(gf._fwd_ws_kernel, ptr, cst, GluonASTSource)
 
 
 def triton_tool(name: str) -> str:
