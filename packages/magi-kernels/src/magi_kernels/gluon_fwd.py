@@ -37,6 +37,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from .epilogue_jit import lse_merge_weights, softmax_lse
+
     AVAILABLE = True
 except ImportError:  # no Triton, or a Triton without Gluon
     AVAILABLE = False
@@ -240,9 +242,7 @@ if AVAILABLE:
                 mbarrier.arrive(empty_bars.index(j % STAGES))
                 j += 1
 
-        ok = l_i > 0
-        l_safe = gl.where(ok, l_i, 1.0)
-        lse = gl.where(ok, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        l_safe, lse = softmax_lse(l_i, m_i)
         o = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
         orows = r0 + gl.arange(0, R, layout=orow_layout)
         ocols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
@@ -253,15 +253,9 @@ if AVAILABLE:
         if ACCUM:  # merge with the previous layers' output and LSE
             old_l = gl.load(lptr, mask=rmask, other=float("-inf"))
             old_o = gl.load(optr, mask=omask, other=0.0)
-            new_l = gl.maximum(old_l, lse)
-            ref = gl.where(new_l == float("-inf"), 0.0, new_l)
-            wa = gl.exp(old_l - ref)
-            wb = gl.exp(lse - ref)
-            den = wa + wb
-            den_safe = gl.where(den > 0, den, 1.0)
+            wa, wb, den_safe, lse = lse_merge_weights(old_l, lse)
             o = (old_o * gl.convert_layout(wa, orow_layout)[:, None]
                  + o * gl.convert_layout(wb, orow_layout)[:, None]) / gl.convert_layout(den_safe, orow_layout)[:, None]
-            lse = gl.where(den > 0, ref + gl.log(den_safe), float("-inf"))
         gl.store(optr, o.to(O.dtype.element_ty), mask=omask)
         gl.store(lptr, lse, mask=rmask)
 

@@ -155,6 +155,7 @@ def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: s
 
 
 if AVAILABLE:
+    from .epilogue_jit import lse_merge_weights, softmax_lse
 
     @triton.jit
     def _tanh(x):
@@ -300,23 +301,15 @@ if AVAILABLE:
                                       cap_in, cap_out, BN, D, False, HAS_SOFTCAP, TMA, WS)
             acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale,
                                       cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
-        ok = l_i > 0
-        l_safe = tl.where(ok, l_i, 1.0)
-        lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        l_safe, lse = softmax_lse(l_i, m_i)
         o = acc / l_safe[:, None]
         optr = O + base + loc
         lptr = LSE + m0.to(tl.int64) * HQ + h + tl.arange(0, BM) * HQ
         if ACCUM:
             old_l = tl.load(lptr, mask=rmask, other=float("-inf"))
             old_o = tl.load(optr, mask=rmask[:, None], other=0.0)
-            new_l = tl.maximum(old_l, lse)
-            ref = tl.where(new_l == float("-inf"), 0.0, new_l)
-            wa = tl.exp(old_l - ref)
-            wb = tl.exp(lse - ref)
-            den = wa + wb
-            den_safe = tl.where(den > 0, den, 1.0)
+            wa, wb, den_safe, lse = lse_merge_weights(old_l, lse)
             o = (old_o * wa[:, None] + o * wb[:, None]) / den_safe[:, None]
-            lse = tl.where(den > 0, ref + tl.log(den_safe), float("-inf"))
         tl.store(optr, o.to(O.dtype.element_ty), mask=rmask[:, None])
         tl.store(lptr, lse, mask=rmask)
 
