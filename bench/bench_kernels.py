@@ -86,6 +86,13 @@ def run(args):
                 finally:
                     del os.environ["MAGI_GLUON_FWD"]
             res["magi_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+            if tb._use_gluon_bwd(q, k, v, g):  # A/B: the Triton backward in the same process
+                os.environ["MAGI_GLUON_BWD"] = "0"
+                try:
+                    res["magi_triton_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                    res["magi_triton_bwd_tflops"] = 2.5 * fl_f / res["magi_triton_bwd_ms"] / 1e9
+                finally:
+                    del os.environ["MAGI_GLUON_BWD"]
             # metadata cost: host tuple + cached tile tables (what a call pays besides kernels)
             t0 = time.perf_counter()
             for _ in range(100):  # the calls above filled the caches: this is the steady state

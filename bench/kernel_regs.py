@@ -5,9 +5,9 @@ Compiles ``_fwd_kernel`` / ``_bwd_kernel`` for sm_90a with the bench's specialis
 loop of the SASS with tensor-core instructions its length and its local-memory loads/stores
 (spills inside a hot loop are what costs time; a stack frame alone may be cold).
 
-Usage: python bench/kernel_regs.py bwd BM1=64 "BM1=32,warps=8,stages=3" fwd "BN=64,TMA=False" gluon STAGES=3
-(each argument after ``fwd``/``bwd``/``gluon`` is one config of that kernel's constexprs; ``gluon`` is
-the warp-specialised forward of ``magi_kernels.gluon_fwd``.)
+Usage: python bench/kernel_regs.py bwd BM1=64 "BM1=32,warps=8,stages=3" fwd "BN=64,TMA=False" gluon STAGES=3 gluon_bwd STAGES=2
+(each argument after ``fwd``/``bwd``/``gluon``/``gluon_bwd`` is one config of that kernel's constexprs;
+``gluon`` and ``gluon_bwd`` are the warp-specialised kernels of ``magi_kernels.gluon_fwd`` / ``gluon_bwd``.)
 """
 
 from __future__ import annotations
@@ -71,6 +71,25 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
     return _source(gf._fwd_ws_kernel, ptr, cst, GluonASTSource)
 
 
+def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64) -> ASTSource:
+    """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
+    specialisation."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from magi_kernels import gluon_bwd as gb
+
+    def desc(rows, cols=D, dtype="bf16", gdt=gl.bfloat16):
+        return f"tensordesc<{dtype}[{rows},{cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
+
+    ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "do_desc": desc(BM),
+           "dq_desc": desc(BM, D // 2, "fp32", gl.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
+           "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "T": "i32", "HQ": "i32"}
+    ptr |= {n: "fp32" for n in FLOATS}
+    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False)
+    return _source(gb._bwd_ws_kernel, ptr, cst, GluonASTSource)
+
+
 def triton_tool(name: str) -> str:
     """Path of a CUDA tool that ships in the Triton wheel (ptxas, cuobjdump, nvdisasm)."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
@@ -113,7 +132,7 @@ def compile_report(src: ASTSource, warps: int, stages: int, **options) -> tuple[
 def main(argv: list[str]) -> int:
     kind = "bwd"
     for arg in argv:
-        if arg in ("fwd", "bwd", "gluon"):
+        if arg in ("fwd", "bwd", "gluon", "gluon_bwd"):
             kind = arg
             continue
         kw = {k: eval(v) for k, v in (item.split("=") for item in arg.split(",") if item)}  # noqa: S307 - CLI
@@ -122,6 +141,11 @@ def main(argv: list[str]) -> int:
 
             warps, stages = 8 // kw.get("PARTS", 2), 1
             regs, found = compile_report(gluon_fwd_source(**kw), warps, stages, maxnreg=gf.MAX_REGS)
+        elif kind == "gluon_bwd":
+            from magi_kernels import gluon_bwd as gb
+
+            warps, stages = 4, 1
+            regs, found = compile_report(gluon_bwd_source(**kw), warps, stages, maxnreg=gb.MAX_REGS)
         else:
             warps, stages = kw.pop("warps", 8), kw.pop("stages", 3)
             regs, found = compile_report((bwd_source if kind == "bwd" else fwd_source)(**kw), warps, stages)

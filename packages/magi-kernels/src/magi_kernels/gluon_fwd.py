@@ -84,17 +84,18 @@ if AVAILABLE:
     CONSUMER_REGS = gl.constexpr(240)
 
     @gluon.jit
+    def load_slice(META, MEMBERS, i):
+        """(qs, qe, ks, ke, inv_causal, causal) of the slice that is member ``i`` of a tile."""
+        sid = gl.load(MEMBERS + i)
+        t = gl.load(META + sid * 5 + 4)
+        return (gl.load(META + sid * 5 + 0), gl.load(META + sid * 5 + 1), gl.load(META + sid * 5 + 2),
+                gl.load(META + sid * 5 + 3), (t & 2) != 0, (t & 1) != 0)
+
+    @gluon.jit
     def _member_keys(META, MEMBERS, i, m0, t_end, BM: gl.constexpr, BN: gl.constexpr):
         """Slice of member ``i`` and the tile's key extent [k_lo, k_hi) and full-block run edges
         (b1, b2): blocks starting in [b1, b2) are visible to every row of the tile."""
-        sid = gl.load(MEMBERS + i)
-        qs = gl.load(META + sid * 5 + 0)
-        qe = gl.load(META + sid * 5 + 1)
-        ks = gl.load(META + sid * 5 + 2)
-        ke = gl.load(META + sid * 5 + 3)
-        t = gl.load(META + sid * 5 + 4)
-        inv = (t & 2) != 0
-        cau = (t & 1) != 0
+        qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
         last = gl.minimum(m0 + BM, qe) - 1
         k_lo = gl.where(inv, ks + m0 - qs, ks)
         k_hi = gl.minimum(gl.where(cau, last + ke - qe + 1, ke), ke)

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from . import gluon_fwd
+from . import gluon_bwd, gluon_fwd
 from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -155,6 +155,8 @@ def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: s
 
 
 if AVAILABLE:
+    from .bounds_jit import key_tile_rows
+    from .bounds_jit import row_bounds as _row_bounds
     from .epilogue_jit import lse_merge_weights, softmax_lse
 
     @triton.jit
@@ -177,13 +179,6 @@ if AVAILABLE:
         end row, first member, member count) of its tile."""
         t = TILES + (pid // NH) * 4
         return pid % NH, tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3)
-
-    @triton.jit
-    def _row_bounds(rows, qs, qe, ks, ke, inv, cau):
-        """Per-row visible keys [lo, hi): INVCAUSAL top-left, CAUSAL bottom-right."""
-        lo = tl.where(inv, ks + rows - qs, ks)
-        hi = tl.minimum(tl.where(cau, rows + ke - qe + 1, ke), ke)
-        return lo, hi
 
     @triton.jit
     def _runs(lo, hi, full_lo, full_hi, B: tl.constexpr):
@@ -449,12 +444,7 @@ if AVAILABLE:
         dv = tl.zeros([BN, D], tl.float32)
         for i in range(first, first + count):  # members: the slices whose keys include this block
             qs, qe, ks, ke, inv, cau = _load_slice(META, tl.load(MEMBERS + i))
-            n_last = tl.minimum(n0 + BN, ke) - 1
-            q_lo = tl.maximum(tl.where(cau, n0 - ke + qe, qs), qs)  # rows that see a key of the block
-            q_hi = tl.minimum(tl.where(inv, n_last - ks + qs + 1, qe), qe)
-            f_lo = tl.maximum(tl.where(cau, n0 + BN - 1 - ke + qe, qs), qs)  # rows that see all of them
-            f_hi = tl.minimum(tl.where(inv, n0 - ks + qs + 1, qe), qe)
-            f_hi = tl.where(n0 + BN <= ke, f_hi, f_lo)  # a block overhanging ke is never full
+            q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
             b1, b2 = _runs(q_lo, q_hi, f_lo, f_hi, BM)
             # partial blocks in half steps: their element mask is live next to dK/dV, and at BM=64
             # it spills them in every loop (the TMA dQ reduce needs the descriptor's box, BM)
@@ -644,6 +634,20 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
+def _use_gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """Whether the backward runs the warp-specialised Gluon kernel (``gluon_bwd``: dK, dV and dQ
+    in one pass; sm90, a head dim it has a config for, non-empty inputs): by default for
+    ``gluon_bwd.DEFAULT_HEAD_DIMS``. Its dQ is a sum of fp32 reduce-adds in no fixed order, so
+    ``torch.use_deterministic_algorithms(True)`` and an explicit ``MAGI_TRITON_DQ`` select the
+    Triton backward; ``MAGI_GLUON_BWD=0`` turns it off, ``=1`` on for every supported head dim."""
+    env = os.environ.get("MAGI_GLUON_BWD")
+    if env == "0" or torch.are_deterministic_algorithms_enabled() or os.environ.get("MAGI_TRITON_DQ"):
+        return False
+    if k.shape[0] == 0 or q.shape[0] == 0 or do.data_ptr() % 16 or not gluon_bwd.supported(q, k, v):
+        return False
+    return env == "1" or q.shape[-1] in gluon_bwd.DEFAULT_HEAD_DIMS
+
+
 def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     do, out = do.contiguous().to(q.dtype), out.contiguous()
@@ -659,6 +663,15 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             D=d, BR=64, num_warps=4)
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
+    if _use_gluon_bwd(q, k, v, do):  # one pass: dK/dV programs that also reduce-add dQ
+        kv_meta, kv_layers, kv_cov = _tiles(slices, 2, gluon_bwd.key_tile_size(d), str(dev), tk)
+        dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
+        dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
+        dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
+        for li, (tiles, members, n) in enumerate(kv_layers):
+            gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, n, softmax_scale,
+                             qk_scale, cap_in, cap_out, softcap, li > 0)
+        return dq, dk, dv
     BM1, BN1, warps1, stages1 = _bwd_config(d)
     BM2, BN2, warps2, stages2 = _dq_config(d)
     dq_mode = _dq_mode(q)

@@ -1,0 +1,297 @@
+"""Warp-specialised Hopper backward (Gluon): dK, dV and dQ in one pass, 5 matmuls per block.
+
+One program per (key tile of BN=128 keys, KV head), on the Triton backend's key-tile tables
+(members, layers). It loops over the tile's member slices, the GQA group's query heads and the
+query blocks (BM=64 rows) that see its keys. The program forks into:
+
+* a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
+  a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot);
+* two consumer warpgroups (240 registers), each owning 64 of the tile's keys:
+  S^T = K Q^T and dP^T = V dO^T (issued together), P^T and dS^T in registers,
+  dV += P^T dO and dK += dS^T Q with P^T / dS^T as register operands. dS^T also goes to shared
+  memory, where the two halves make the block's dS; each warpgroup then computes half of
+  dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global memory with a
+  TMA bulk reduce-add, which runs while the next block is computed.
+
+Query rows of a partial block past the slice are loaded (TMA reads whatever lies there, zeros
+past the tensor's end) and get probability 0 and dS 0, so Q/dO must be finite everywhere (as
+the forward needs for keys). The dQ adds are fp32 reduce-adds in no fixed order: not bitwise
+deterministic (``torch.use_deterministic_algorithms`` selects the split Triton backward).
+
+Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from triton._C.libtriton import ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .bounds_jit import key_tile_rows, row_bounds
+    from .gluon_fwd import descriptor, load_slice
+
+    AVAILABLE = True
+except ImportError:  # no Triton, or a Triton without Gluon
+    AVAILABLE = False
+
+# (BM, BN, STAGES) per head dim: BM query rows per step, BN keys per program (two warpgroups of
+# BN/2), STAGES-deep Q/dO ring
+CONFIGS = {128: (64, 128, 2)}
+DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
+MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
+
+
+def _config(d: int) -> tuple[int, int, int]:
+    """``MAGI_GLUON_BWD_CFG=BM,BN,STAGES`` overrides the tuned config (tuning runs)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_CFG")
+    if not raw:
+        return CONFIGS[d]
+    vals = tuple(int(x) for x in raw.split(","))
+    if len(vals) != 3:
+        raise ValueError(f"MAGI_GLUON_BWD_CFG must be 'BM,BN,STAGES', got {raw!r}")
+    return vals  # type: ignore[return-value]
+
+
+def key_tile_size(d: int) -> int:
+    """Keys per program (the block of the key-tile tables the launch reads)."""
+    return _config(d)[1]
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this kernel can run the backward of these inputs (sm90, a tuned head dim,
+    16-byte aligned rows)."""
+    if not AVAILABLE or q.device.type != "cuda" or q.shape[-1] not in CONFIGS:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v))
+
+
+if AVAILABLE:
+    LOADER_REGS = gl.constexpr(24)
+    CONSUMER_REGS = gl.constexpr(240)
+
+    @builtin
+    def _reduce_add(tensor_desc, coord, src, _semantic=None):
+        """TMA bulk reduce-add of shared memory ``src`` into the descriptor's tensor at ``coord``
+        (asynchronous; ``tma.store_wait`` waits for it). Triton 3.6's Gluon builds the op but has
+        no Python wrapper for it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    @gluon.jit
+    def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0, first,
+                count, hk, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr):
+        kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0, hk * D], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [n0, hk * D], kv_bar, v_smem)
+        j = 0
+        for i in range(first, first + count):
+            qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
+            q_lo, q_hi, _f_lo, _f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
+            for g in range(GROUP):
+                col = (hk * GROUP + g) * D
+                for mb in range(q_lo, q_hi, BM):
+                    s = j % STAGES
+                    mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
+                    mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [mb, col], q_bars.index(s), q_smem.index(s))
+                    mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(do_desc, [mb, col], do_bars.index(s), do_smem.index(s))
+                    j += 1
+
+    @gluon.jit
+    def _consumer(k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA,
+                  META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
+                  GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PART: gl.constexpr):
+        """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
+        block, dQ's columns [PART*D/2, (PART+1)*D/2).
+
+        Scores are computed as S = Q K^T ([query rows, keys], FA3's orientation), so the row
+        statistics (LSE, delta) take 2 registers per thread instead of 16 for S^T's columns, which
+        is what keeps dK, dV, S and dP (192 registers) from spilling. P and dS reach the dK/dV
+        matmuls as [keys, rows] operands through shared memory."""
+        kv_bar, q_bars, do_bars, empty_bars, ds_full, ds_empty = bars
+        W: gl.constexpr = BN // 2
+        DH: gl.constexpr = D // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, W, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DH, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        k_rows = k_smem.slice(PART * W, W, dim=0)
+        v_rows = v_smem.slice(PART * W, W, dim=0)
+        k_cols = k_smem.slice(PART * DH, DH, dim=1)
+        my_p = p_smem.index(PART)  # [W, BM]: P^T of this warpgroup's keys
+        my_dq = dq_smem.index(PART)
+        dk = gl.zeros([W, D], gl.float32, kv_layout)
+        dv = gl.zeros([W, D], gl.float32, kv_layout)
+        mbarrier.wait(kv_bar, 0)
+        j = 0
+        for i in range(first, first + count):
+            qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
+            q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                lse_row = LSE2 + h.to(gl.int64) * T
+                delta_row = DELTA + h.to(gl.int64) * T
+                for mb in range(q_lo, q_hi, BM):
+                    s = j % STAGES
+                    rows = mb + gl.arange(0, BM, layout=row_layout)
+                    rmask = rows < q_hi
+                    lse2 = gl.load(lse_row + rows, mask=rmask, other=0.0)
+                    delta = gl.load(delta_row + rows, mask=rmask, other=0.0)
+                    zero_s = gl.zeros([BM, W], gl.float32, s_layout)
+                    q_s = q_smem.index(s)
+                    do_s = do_smem.index(s)
+                    mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                    sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
+                    dp = warpgroup_mma(do_s, v_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    sc = warpgroup_mma_wait(1, deps=(sc,))
+                    if HAS_SOFTCAP:
+                        th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
+                        p = gl.exp2(th * cap_out - lse2[:, None])
+                    else:
+                        p = gl.exp2(sc * qk_scale - lse2[:, None])
+                    if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
+                        lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
+                        keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
+                        vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
+                        p = gl.where(vis, p, 0.0)
+                    my_p.permute((1, 0)).store(p.to(dtype))
+                    fence_async_shared()
+                    dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
+                    dp = warpgroup_mma_wait(1, deps=(dp,))
+                    ds = p * (dp - delta[:, None])
+                    if HAS_SOFTCAP:
+                        ds = ds * (1.0 - th * th)
+                    # the block's dS^T: both warpgroups' halves in shared memory (double-buffered)
+                    b = j % 2
+                    ds_b = ds_smem.index(b)  # [BN, BM]
+                    my_ds = ds_b.slice(PART * W, W, dim=0)
+                    mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                    my_ds.permute((1, 0)).store(ds.to(dtype))
+                    fence_async_shared()
+                    mbarrier.arrive(ds_full.index(b))
+                    dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
+                    mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                    dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, gl.zeros([BM, DH], gl.float32, dq_layout),
+                                       use_acc=False, is_async=True)  # dQ[:, my half] = dS K
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                    mbarrier.arrive(empty_bars.index(s))
+                    mbarrier.arrive(ds_empty.index(b))
+                    tma.store_wait(0)  # the previous block's reduce-add has read my_dq
+                    my_dq.store(dq * scale)
+                    fence_async_shared()
+                    _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
+                    j += 1
+        tma.store_wait(0)
+
+        out_layout: gl.constexpr = gl.SliceLayout(1, kv_layout)
+        krows = n0 + PART * W + gl.arange(0, W, layout=out_layout)
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+        ptr = (krows.to(gl.int64) * HK + hk)[:, None] * D + dcols[None, :]
+        kmask = (krows < t_end)[:, None]
+        dk = dk * scale
+        if ACCUM:  # later layers add to the earlier ones' dK/dV
+            dk += gl.load(DK + ptr, mask=kmask, other=0.0)
+            dv += gl.load(DV + ptr, mask=kmask, other=0.0)
+        gl.store(DK + ptr, dk, mask=kmask)
+        gl.store(DV + ptr, dv, mask=kmask)
+
+    @gluon.jit
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, T, HQ,
+                       scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                       D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr):
+        HK = HQ // GROUP
+        pid = gl.program_id(0)
+        hk = pid % HK
+        tile = TILES + (pid // HK) * 4
+        n0 = gl.load(tile)
+        t_end = gl.load(tile + 1)
+        first = gl.load(tile + 2)
+        count = gl.load(tile + 3)
+
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D // 2], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(q_bars.index(s), count=1)
+            mbarrier.init(do_bars.index(s), count=1)
+            mbarrier.init(empty_bars.index(s), count=2)  # one arrival per consumer warpgroup
+        for s in gl.static_range(2):
+            mbarrier.init(ds_full.index(s), count=2)
+            mbarrier.init(ds_empty.index(s), count=2)
+        bars = (kv_bar, q_bars, do_bars, empty_bars, ds_full, ds_empty)
+
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
+                         MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
+                         STAGES, HAS_SOFTCAP, ACCUM, 0)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
+                         MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
+                         STAGES, HAS_SOFTCAP, ACCUM, 1)),
+            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0,
+                       first, count, hk, GROUP, BM, BN, D, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+    def dq_descriptor(dq: torch.Tensor, rows: int) -> "TensorDescriptor":
+        """TMA descriptor of the fp32 dQ accumulator [tokens, heads, d] for the reduce-adds: box
+        rows x d/2 (one warpgroup's half of a block)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        flat = dq.view(dq.shape[0], -1)
+        box = [rows, dq.shape[-1] // 2]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
+
+    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, n_tiles, scale, qk_scale, cap_in, cap_out,
+               softcap, accum):
+        """One launch over ``n_tiles`` key tiles x KV heads (key-tile tables of block
+        ``key_tile_size(d)``). ``dq`` is an fp32 accumulator the launch adds to; ``dk``/``dv``
+        are written (``accum``: added to)."""
+        d = q.shape[-1]
+        hq, hk = q.shape[1], k.shape[1]
+        BM, BN, stages = _config(d)
+        _bwd_ws_kernel[(n_tiles * hk,)](
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
+            dk, dv, lse2, delta, meta, tiles, members, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
+            GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
+            num_warps=4, maxnreg=MAX_REGS,
+        )
