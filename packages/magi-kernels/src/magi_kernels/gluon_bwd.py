@@ -40,7 +40,7 @@ try:
         warpgroup_mma_wait,
     )
 
-    from .bounds_jit import key_tile_rows, row_bounds
+    from .epilogue_jit import key_tile_rows, row_bounds
     from .gluon_fwd import descriptor, load_slice
 
     AVAILABLE = True

@@ -155,8 +155,8 @@ def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: s
 
 
 if AVAILABLE:
-    from .bounds_jit import key_tile_rows
-    from .bounds_jit import row_bounds as _row_bounds
+    from .epilogue_jit import key_tile_rows
+    from .epilogue_jit import row_bounds as _row_bounds
     from .epilogue_jit import lse_merge_weights, softmax_lse
 
     @triton.jit
