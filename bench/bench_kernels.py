@@ -43,7 +43,8 @@ def bench(fn, reps_ms=200):
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
 
 
-def run(args):
+def run(args, on_row=lambda rows: None):
+    """Time every (seqlen, mask) of ``args``; ``on_row(rows)`` after each row (so a timeout keeps results)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -105,6 +106,7 @@ def run(args):
                 res["magi_fwd_tflops"] = fl_f / res["magi_fwd_ms"] / 1e9
                 res["magi_bwd_tflops"] = 2.5 * fl_f / res["magi_bwd_ms"] / 1e9
                 rows.append(res)
+                on_row(rows)
                 print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
                 continue
             try:
@@ -145,6 +147,7 @@ def run(args):
                     if f"{impl}_{which}_ms" in res:
                         res[f"{impl}_{which}_tflops"] = mult * fl_f / res[f"{impl}_{which}_ms"] / 1e9
             rows.append(res)
+            on_row(rows)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
             del q, k, v, g, qf, kf, vf
             torch.cuda.empty_cache()
@@ -171,9 +174,10 @@ def plot(rows, path, title):
             ax.set_xticklabels(masks, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{pas}, {S // 1024}k tokens")
             ax.set_ylabel("TFLOP/s (unmasked area)")
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=3, fontsize=9)  # one legend: none covers a bar
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
 
 
@@ -189,13 +193,62 @@ def main():
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--plot", default=None)
     p.add_argument("--no-peers", action="store_true", help="only time magi (tuning runs)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="no timing: merge these result files (later rows win) into --out, --plot and a table")
     args = p.parse_args()
-    rows = run(args)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args)}
+    if args.from_json:
+        meta, rows = merge_results(args.from_json)
+    else:
+        import triton
+
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "config": vars(args)}
+
+        def save(rows):
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+        rows = run(args, on_row=save)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    cfg = meta.get("config", {})
     if args.plot:
-        plot(rows, args.plot, f"{meta['device']}, b=1 hq={args.heads_q} hk={args.heads_kv} d={args.head_dim} bf16")
+        plot(rows, args.plot, f"{meta['device']}, b=1 hq={cfg.get('heads_q')} hk={cfg.get('heads_kv')} "
+                              f"d={cfg.get('head_dim')} bf16")
+    print(markdown_table(rows))
+
+
+def merge_results(paths: list[str]) -> tuple[dict, list[dict]]:
+    """Rows of several result files keyed by (seqlen, mask); a later file replaces an earlier row."""
+    meta, by_key = {}, {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        meta = meta or data["meta"]
+        for r in data["rows"]:
+            by_key[(r["seqlen"], r["mask"])] = r
+    order = {m: i for i, m in enumerate(MASKS)}
+    return meta, sorted(by_key.values(), key=lambda r: (r["seqlen"], order.get(r["mask"], len(order))))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """TFLOP/s of magi and the peers per (seqlen, mask) with the ratios the targets are stated in."""
+    def val(r, key):
+        x = r.get(key)
+        return f"{x:.0f}" if x else "-"
+
+    def ratio(r, a, b):
+        return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "-"
+
+    lines = ["| seqlen | mask | magi fwd | flex fwd | cudnn fwd | /flex | /cudnn | magi bwd | flex bwd | cudnn bwd"
+             " | /flex | /cudnn |", "|" + "---|" * 12]
+    for r in rows:
+        cells = [f"{r['seqlen'] // 1024}k", r["mask"]]
+        for p in ("fwd", "bwd"):
+            cells += [val(r, f"{i}_{p}_tflops") for i in ("magi", "flex", "cudnn")]
+            cells += [ratio(r, f"magi_{p}_tflops", f"flex_{p}_tflops"), ratio(r, f"magi_{p}_tflops", f"cudnn_{p}_tflops")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 #   tests  GPU correctness tests (Triton kernels, native kernels, CUDA IPC collectives; TEST_K,
 #          EXTRA_TESTS=0 skips the warp-specialisation and IPC runs)
 #   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py)
-#   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_TIMEOUT)
+#   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
 # Results and logs under $OUT.
 set -uo pipefail
@@ -41,7 +41,7 @@ SUM='import sys,json
 for l in sys.stdin:
     r=json.loads(l); f=lambda p:" ".join(f"{k.split(chr(95))[0]}:{r.get(k,0):.0f}" for k in (f"magi_{p}_tflops",f"flex_{p}_tflops",f"cudnn_{p}_tflops")); print(r["seqlen"],r["mask"],"fwd",f("fwd"),"triton:%.0f"%r.get("magi_triton_fwd_tflops",0),"| bwd",f("bwd"),"triton:%.0f"%r.get("magi_triton_bwd_tflops",0),"| err",round(r.get("flex_vs_magi_maxerr",-1),3))'
 if has bench; then
-  timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} \
+  timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} ${BENCH_MASKS:+--masks $BENCH_MASKS} \
     --out $OUT/bench_kernels_h200.json --plot $OUT/bench_kernels_h200.png 2>$OUT/bench.err | grep '^{' | python3 -c "$SUM"
 fi
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1

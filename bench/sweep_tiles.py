@@ -60,6 +60,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--kernels", nargs="+", default=list(SWEEP))
     p.add_argument("--profile", action="store_true", help="print per-kernel CUDA times at the defaults")
+    p.add_argument("--rep-ms", type=int, default=150, help="timing window per config (longer: less noise)")
     args = p.parse_args()
     sweep = dict(SWEEP)
     if SWEEP_FROM_ENV:
@@ -95,7 +96,7 @@ def main() -> int:
                         mult = 2.5
                     row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "pass": which}
                     try:
-                        ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
                         row.update(ms=round(ms, 3), tflops=round(mult * flops / ms / 1e9, 1))
                     except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
                         row["error"] = repr(e)[:160]

@@ -57,3 +57,21 @@ if AVAILABLE:
         f_hi = tl.minimum(tl.where(inv, n0 - ks + qs + 1, qe), qe)
         f_hi = tl.where(n0 + BN <= ke, f_hi, f_lo)  # a tile overhanging ke is never full
         return q_lo, q_hi, f_lo, f_hi
+
+    @triton.jit
+    def query_block_order(n0, q_lo, q_hi, BM: tl.constexpr, ROTATE: tl.constexpr):
+        """(number of query blocks of [q_lo, q_hi), index of the first one a key tile at n0
+        visits). ROTATE starts at the block holding row n0 (the tile's diagonal) and wraps, so
+        key tiles that see the same rows (full masks) add to different dQ rows at a time
+        instead of all to the same ones."""
+        n_blocks = tl.cdiv(q_hi - q_lo, BM)
+        if ROTATE:
+            first = tl.maximum(n0 - q_lo, 0) // BM
+        else:
+            first = n0 * 0
+        return n_blocks, first
+
+    @triton.jit
+    def query_block_row(t, n_blocks, first, q_lo, BM: tl.constexpr):
+        """First row of the t-th visited query block (see query_block_order)."""
+        return q_lo + ((t + first) % n_blocks) * BM

@@ -2,15 +2,17 @@
 
 One program per (key tile of BN=128 keys, KV head), on the Triton backend's key-tile tables
 (members, layers). It loops over the tile's member slices, the GQA group's query heads and the
-query blocks (BM=64 rows) that see its keys. The program forks into:
+query blocks (BM=64 rows) that see its keys, starting at the tile's diagonal block and wrapping
+(``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
+the same dQ rows at once. The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot);
 * two consumer warpgroups (240 registers), each owning 64 of the tile's keys:
-  S^T = K Q^T and dP^T = V dO^T (issued together), P^T and dS^T in registers,
-  dV += P^T dO and dK += dS^T Q with P^T / dS^T as register operands. dS^T also goes to shared
-  memory, where the two halves make the block's dS; each warpgroup then computes half of
-  dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global memory with a
+  S = Q K^T and dP = dO V^T (issued together; FA3's orientation, so the row statistics take
+  2 registers), P and dS to shared memory, dV += P^T dO and dK += dS^T Q. The two warpgroups'
+  dS halves make the block's dS (double-buffered, mbarriers); each warpgroup then computes half
+  of dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global memory with a
   TMA bulk reduce-add, which runs while the next block is computed.
 
 Query rows of a partial block past the slice are loaded (TMA reads whatever lies there, zeros
@@ -27,42 +29,49 @@ import os
 
 import torch
 
-try:
-    from triton._C.libtriton import ir
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from .gluon_common import AVAILABLE, MAX_REGS, env_config, hopper_supported
+
+if AVAILABLE:
+    try:  # Triton internals for the TMA reduce-add (no public Gluon wrapper in 3.6)
+        from triton._C.libtriton import ir
+        from triton.experimental.gluon.language._core import builtin
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError:
+        AVAILABLE = False
+
+if AVAILABLE:
+    from .epilogue_jit import key_tile_rows, query_block_order, query_block_row, row_bounds
+    from .gluon_common import (
+        CONSUMER_REGS,
+        LOADER_REGS,
+        descriptor,
         fence_async_shared,
+        gl,
+        gluon,
+        load_slice,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
-    from .epilogue_jit import key_tile_rows, row_bounds
-    from .gluon_fwd import descriptor, load_slice
-
-    AVAILABLE = True
-except ImportError:  # no Triton, or a Triton without Gluon
-    AVAILABLE = False
-
 # (BM, BN, STAGES) per head dim: BM query rows per step, BN keys per program (two warpgroups of
 # BN/2), STAGES-deep Q/dO ring
 CONFIGS = {128: (64, 128, 2)}
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
-MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
+__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "key_tile_size", "launch", "supported"]
 
 
 def _config(d: int) -> tuple[int, int, int]:
     """``MAGI_GLUON_BWD_CFG=BM,BN,STAGES`` overrides the tuned config (tuning runs)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_CFG")
-    if not raw:
-        return CONFIGS[d]
-    vals = tuple(int(x) for x in raw.split(","))
-    if len(vals) != 3:
-        raise ValueError(f"MAGI_GLUON_BWD_CFG must be 'BM,BN,STAGES', got {raw!r}")
-    return vals  # type: ignore[return-value]
+    return env_config("MAGI_GLUON_BWD_CFG", CONFIGS[d], "BM,BN,STAGES")  # type: ignore[return-value]
+
+
+def _rotate() -> bool:
+    """``MAGI_GLUON_BWD_ROTATE=0/1`` (default 1): whether each key tile starts at its diagonal
+    query block (see ``epilogue_jit.query_block_order``; +4.5 % at 16k full, within 1 %
+    elsewhere: docs/notes/kernel_measurements.md, v9)."""
+    return os.environ.get("MAGI_GLUON_BWD_ROTATE", "1") == "1"
 
 
 def key_tile_size(d: int) -> int:
@@ -73,16 +82,10 @@ def key_tile_size(d: int) -> int:
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether this kernel can run the backward of these inputs (sm90, a tuned head dim,
     16-byte aligned rows)."""
-    if not AVAILABLE or q.device.type != "cuda" or q.shape[-1] not in CONFIGS:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 and t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v))
+    return AVAILABLE and hopper_supported(q, k, v, CONFIGS)
 
 
 if AVAILABLE:
-    LOADER_REGS = gl.constexpr(24)
-    CONSUMER_REGS = gl.constexpr(240)
 
     @builtin
     def _reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -96,7 +99,7 @@ if AVAILABLE:
     @gluon.jit
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0, first,
                 count, hk, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr):
+                STAGES: gl.constexpr, ROTATE: gl.constexpr):
         kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0, hk * D], kv_bar, k_smem)
@@ -105,9 +108,11 @@ if AVAILABLE:
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, _f_lo, _f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
+            n_blocks, first_block = query_block_order(n0, q_lo, q_hi, BM, ROTATE)
             for g in range(GROUP):
                 col = (hk * GROUP + g) * D
-                for mb in range(q_lo, q_hi, BM):
+                for t in range(n_blocks):
+                    mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
                     s = j % STAGES
                     mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
                     mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes)
@@ -120,7 +125,7 @@ if AVAILABLE:
     def _consumer(k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA,
                   META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PART: gl.constexpr):
+                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -153,11 +158,13 @@ if AVAILABLE:
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
+            n_blocks, first_block = query_block_order(n0, q_lo, q_hi, BM, ROTATE)
             for g in range(GROUP):
                 h = hk * GROUP + g
                 lse_row = LSE2 + h.to(gl.int64) * T
                 delta_row = DELTA + h.to(gl.int64) * T
-                for mb in range(q_lo, q_hi, BM):
+                for t in range(n_blocks):
+                    mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
                     s = j % STAGES
                     rows = mb + gl.arange(0, BM, layout=row_layout)
                     rmask = rows < q_hi
@@ -225,7 +232,8 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, T, HQ,
                        scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                       D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr):
+                       D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
+                       ROTATE: gl.constexpr):
         HK = HQ // GROUP
         pid = gl.program_id(0)
         hk = pid % HK
@@ -263,19 +271,17 @@ if AVAILABLE:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
                          MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, 0)),
+                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
                          MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, 1)),
+                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0,
-                       first, count, hk, GROUP, BM, BN, D, STAGES)),
+                       first, count, hk, GROUP, BM, BN, D, STAGES, ROTATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def dq_descriptor(dq: torch.Tensor, rows: int) -> "TensorDescriptor":
         """TMA descriptor of the fp32 dQ accumulator [tokens, heads, d] for the reduce-adds: box
         rows x d/2 (one warpgroup's half of a block)."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
         flat = dq.view(dq.shape[0], -1)
         box = [rows, dq.shape[-1] // 2]
         layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
@@ -293,5 +299,6 @@ if AVAILABLE:
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
             dk, dv, lse2, delta, meta, tiles, members, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
+            ROTATE=_rotate(),
             num_warps=4, maxnreg=MAX_REGS,
         )

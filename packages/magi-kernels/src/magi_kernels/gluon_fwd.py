@@ -22,26 +22,24 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from .gluon_common import AVAILABLE, MAX_REGS, env_config, hopper_supported
+
+if AVAILABLE:
+    from .epilogue_jit import lse_merge_weights, softmax_lse
+    from .gluon_common import (
+        CONSUMER_REGS,
+        LOADER_REGS,
+        descriptor,
+        gl,
+        gluon,
+        load_slice,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .epilogue_jit import lse_merge_weights, softmax_lse
-
-    AVAILABLE = True
-except ImportError:  # no Triton, or a Triton without Gluon
-    AVAILABLE = False
 
 # (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
 # in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
@@ -49,19 +47,13 @@ except ImportError:  # no Triton, or a Triton without Gluon
 # correctness run did not finish on the device: not offered until it does (notes, v8)
 CONFIGS = {128: (128, 128, 3, 2, 1)}  # sweep: docs/notes/kernel_measurements.md (v8)
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default forward (measured faster than Triton's)
-MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
+__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "launch", "supported", "tile_rows"]
 
 
 def _config(d: int) -> tuple[int, int, int, int, int]:
     """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS,PING`` overrides the tuned config (tuning runs)."""
-    raw = os.environ.get("MAGI_GLUON_FWD_CFG")
-    if not raw:
-        return CONFIGS[d]
-    vals = tuple(int(x) for x in raw.split(","))
-    if len(vals) != 5 or vals[3] not in (1, 2) or vals[4] not in (0, 1):
-        raise ValueError(f"MAGI_GLUON_FWD_CFG must be 'BM,BN,STAGES,PARTS,PING' with PARTS 1 or 2 and PING 0 or 1, "
-                         f"got {raw!r}")
-    return vals  # type: ignore[return-value]
+    return env_config("MAGI_GLUON_FWD_CFG", CONFIGS[d], "BM,BN,STAGES,PARTS,PING",
+                      lambda v: v[3] in (1, 2) and v[4] in (0, 1), " with PARTS 1 or 2 and PING 0 or 1")  # type: ignore[return-value]
 
 
 def tile_rows(d: int) -> int:
@@ -72,25 +64,10 @@ def tile_rows(d: int) -> int:
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether this kernel can run the forward of these inputs (sm90, a tuned head dim,
     16-byte aligned rows)."""
-    if not AVAILABLE or q.device.type != "cuda" or q.shape[-1] not in CONFIGS:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 and t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v))
+    return hopper_supported(q, k, v, CONFIGS)
 
 
 if AVAILABLE:
-    LOADER_REGS = gl.constexpr(24)
-    CONSUMER_REGS = gl.constexpr(240)
-
-    @gluon.jit
-    def load_slice(META, MEMBERS, i):
-        """(qs, qe, ks, ke, inv_causal, causal) of the slice that is member ``i`` of a tile."""
-        sid = gl.load(MEMBERS + i)
-        t = gl.load(META + sid * 5 + 4)
-        return (gl.load(META + sid * 5 + 0), gl.load(META + sid * 5 + 1), gl.load(META + sid * 5 + 2),
-                gl.load(META + sid * 5 + 3), (t & 2) != 0, (t & 1) != 0)
-
     @gluon.jit
     def _member_keys(META, MEMBERS, i, m0, t_end, BM: gl.constexpr, BN: gl.constexpr):
         """Slice of member ``i`` and the tile's key extent [k_lo, k_hi) and full-block run edges
@@ -304,13 +281,6 @@ if AVAILABLE:
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
                              qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
-    def descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
-        """TMA descriptor over a [tokens, heads, d] tensor as [tokens, heads*d], box rows x d."""
-        flat = x.view(x.shape[0], -1)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[-1]], gl.bfloat16 if x.dtype == torch.bfloat16
-                                                      else gl.float16)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]], layout)
 
     def launch(q, k, v, out, lse, meta, tiles, members, n_tiles, qk_scale, cap_in, cap_out, softcap, accum):
         """One launch over ``n_tiles`` query tiles x heads (tile tables of block ``CONFIGS[d][0]``)."""
