@@ -23,7 +23,7 @@ def _ragged_cases():
 
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (8, 1, 128), (2, 2, 128), (2, 1, 256)])
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (8, 1, 128), (2, 2, 128), (2, 1, 256), (2, 1, 192), (4, 2, 96)])
 def test_triton_matches_dense(case, dtype, hq, hk, d):
     _check_against_dense(case, dtype, hq, hk, d)
 

@@ -51,7 +51,9 @@ CASES = {
 }
 # (hq, hk, d, softcap, TMA descriptor loads of full blocks, dQ mode): both load paths and both
 # dQ paths the interpreter can run (split dQ programs; dQ added by the dK/dV programs)
-SHAPES = [(4, 2, 64, 0.0, "0", "split"), (8, 1, 128, 2.0, "1", "atomic"), (2, 1, 64, 0.0, "0", "atomic")]
+# d=40 runs zero-padded to 64 (triton_backend.kernel_head_dim)
+SHAPES = [(4, 2, 64, 0.0, "0", "split"), (8, 1, 128, 2.0, "1", "atomic"), (2, 1, 64, 0.0, "0", "atomic"),
+          (2, 1, 40, 1.5, "0", "split")]
 
 
 def main() -> int:

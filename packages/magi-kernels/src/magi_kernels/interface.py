@@ -42,8 +42,9 @@ def _triton_module():
 @functools.lru_cache(maxsize=None)
 def _warn_slow_head_dim(d: int, supported: tuple[int, ...]) -> None:
     """Once per head dim: a GPU call that auto-selects the (slow) torch backend says why."""
-    logger.warning("head_dim %d has no Triton kernel (supported: %s): backend='auto' runs the torch reference "
-                   "backend on the GPU, which is much slower; pad heads to a supported size", d, supported)
+    logger.warning("head_dim %d has no Triton kernel (supported: multiples of 8 up to %d): backend='auto' runs the "
+                   "torch reference backend on the GPU, which is much slower; pad heads to a supported size",
+                   d, max(supported))
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
@@ -61,7 +62,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
             "triton is not installed" if tri is None else
             "inputs are not on a CUDA device" if not q.is_cuda else
             f"dtype {q.dtype} is not float16/bfloat16" if q.dtype not in _GPU_DTYPES else
-            f"head_dim {q.shape[-1]} is not supported (use one of {tri.SUPPORTED_HEAD_DIMS})"
+            f"head_dim {q.shape[-1]} is not supported (use a multiple of 8 up to {max(tri.SUPPORTED_HEAD_DIMS)}; "
+            f"{tri.SUPPORTED_HEAD_DIMS} run unpadded)"
         )
         raise ValueError(f"backend='triton' cannot run: {why}; use backend='torch' or 'auto'")
     return backend

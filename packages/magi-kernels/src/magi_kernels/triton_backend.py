@@ -51,8 +51,26 @@ except ImportError:  # CPU-only installs
     AVAILABLE = False
 
 
+def kernel_head_dim(d: int) -> int | None:
+    """Head dim the kernels run ``d`` at: ``d`` itself if they are compiled for it, else the next
+    of SUPPORTED_HEAD_DIMS for a multiple of 8 up to 256 (e.g. 80, 96, 192: zero-padded, which
+    leaves scores and outputs unchanged and costs the padded flops), else None."""
+    if d in SUPPORTED_HEAD_DIMS:
+        return d
+    if d % 8 or d <= 0:
+        return None
+    return next((p for p in SUPPORTED_HEAD_DIMS if p > d), None)
+
+
 def supports_head_dim(d: int) -> bool:
-    return d in SUPPORTED_HEAD_DIMS
+    """Whether the Triton backend runs head dim ``d`` (natively or zero-padded)."""
+    return kernel_head_dim(d) is not None
+
+
+def _pad_head_dim(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zero-pad the last dim of each tensor to its kernel head dim (copies)."""
+    pad = kernel_head_dim(xs[0].shape[-1]) - xs[0].shape[-1]
+    return tuple(torch.nn.functional.pad(x, (0, pad)) for x in xs)
 
 
 def _layers(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[list[int]]:
@@ -607,6 +625,11 @@ def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:  # zero-padded head dim (kernel_head_dim); scale stays the caller's
+        out, lse = ffa_forward(*_pad_head_dim(q, k, v), q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
+                               acc_out)
+        return out[..., :d].contiguous(), lse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tq, hq, d = q.shape
     hk = k.shape[1]
@@ -649,6 +672,11 @@ def _use_gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
 
 
 def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap):
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:  # as in ffa_forward: padded columns of do/out are 0, so delta is unchanged
+        grads = ffa_backward(*_pad_head_dim(do, q, k, v, out), lse, dlse, q_ranges, k_ranges, attn_type_map,
+                             softmax_scale, softcap)
+        return tuple(g[..., :d].contiguous() for g in grads)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     do, out = do.contiguous().to(q.dtype), out.contiguous()
     tq, hq, d = q.shape
