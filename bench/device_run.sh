@@ -5,6 +5,7 @@
 #   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py)
 #   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
+#   timing the backward timed through autograd and directly, short and long windows (bench/bwd_timing_check.py)
 # Results and logs under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
@@ -44,5 +45,7 @@ if has bench; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} ${BENCH_MASKS:+--masks $BENCH_MASKS} \
     --out $OUT/bench_kernels_h200.json --plot $OUT/bench_kernels_h200.png 2>$OUT/bench.err | grep '^{' | python3 -c "$SUM"
 fi
+has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
+  > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
 true
