@@ -68,7 +68,7 @@ if AVAILABLE:
         if ROTATE:
             first = tl.maximum(n0 - q_lo, 0) // BM
         else:
-            first = n0 * 0
+            first = n0 * 0  # a tensor of n0's type, as in the other branch
         return n_blocks, first
 
     @triton.jit

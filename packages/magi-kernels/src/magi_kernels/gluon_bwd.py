@@ -29,7 +29,8 @@ import os
 
 import torch
 
-from .gluon_common import AVAILABLE, MAX_REGS, env_config, hopper_supported
+from .env_config import env_config
+from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
 
 if AVAILABLE:
     try:  # Triton internals for the TMA reduce-add (no public Gluon wrapper in 3.6)

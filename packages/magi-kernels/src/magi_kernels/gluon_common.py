@@ -1,13 +1,12 @@
 """What the warp-specialised Hopper kernels (``gluon_fwd``, ``gluon_bwd``) share: the Gluon
 imports, the register split between the loader warp and the consumer warpgroups, the
-``MAGI_GLUON_*_CFG`` override, the support check, the slice loader and the TMA descriptor.
+support check, the slice loader and the TMA descriptor.
 
 Importable without a GPU; ``AVAILABLE`` says whether Gluon is present."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import torch
 
@@ -28,22 +27,6 @@ except ImportError:  # no Triton, or a Triton without Gluon
     AVAILABLE = False
 
 MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
-
-
-def env_config(var: str, default: tuple[int, ...], fields: str,
-               valid: Callable[[tuple[int, ...]], bool] = lambda vals: True, rule: str = "") -> tuple[int, ...]:
-    """``default``, or the comma-separated ints of environment variable ``var`` (tuning runs);
-    ``fields`` names them ("BM,BN,STAGES"), ``valid``/``rule`` add a check and its wording."""
-    raw = os.environ.get(var)
-    if not raw:
-        return default
-    try:
-        vals = tuple(int(x) for x in raw.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != len(fields.split(",")) or not valid(vals):
-        raise ValueError(f"{var} must be '{fields}'{rule}, got {raw!r}")
-    return vals
 
 
 def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Collection[int]) -> bool:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .gluon_common import AVAILABLE, MAX_REGS, env_config, hopper_supported
+from .env_config import env_config
+from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
 
 if AVAILABLE:
     from .epilogue_jit import lse_merge_weights, softmax_lse

@@ -34,6 +34,7 @@ import os
 import torch
 
 from . import gluon_bwd, gluon_fwd
+from .env_config import env_config
 from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -513,14 +514,8 @@ if AVAILABLE:
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """Tile config override ``BM,BN,warps,stages`` from the environment (for tuning runs)."""
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    vals = tuple(int(x) for x in raw.split(","))
-    if len(vals) != 4:
-        raise ValueError(f"{name} must be 'BM,BN,num_warps,num_stages', got {raw!r}")
-    return vals  # type: ignore[return-value]
+    """Tile config override ``BM,BN,num_warps,num_stages`` from the environment (for tuning runs)."""
+    return env_config(name, default, "BM,BN,num_warps,num_stages")  # type: ignore[return-value]
 
 
 # (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md

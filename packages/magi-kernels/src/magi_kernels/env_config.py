@@ -1,0 +1,23 @@
+"""Tile-config overrides from the environment (tuning runs): ``MAGI_TRITON_*_CFG``,
+``MAGI_GLUON_*_CFG``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+
+def env_config(var: str, default: tuple[int, ...], fields: str,
+               valid: Callable[[tuple[int, ...]], bool] = lambda vals: True, rule: str = "") -> tuple[int, ...]:
+    """``default``, or the comma-separated ints of environment variable ``var`` (tuning runs);
+    ``fields`` names them ("BM,BN,STAGES"), ``valid``/``rule`` add a check and its wording."""
+    raw = os.environ.get(var)
+    if not raw:
+        return default
+    try:
+        vals = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != len(fields.split(",")) or not valid(vals):
+        raise ValueError(f"{var} must be '{fields}'{rule}, got {raw!r}")
+    return vals
