@@ -210,3 +210,20 @@ def test_triton_dq_mode_selection(monkeypatch):
     monkeypatch.setenv("MAGI_TRITON_DQ", "fast")
     with pytest.raises(ValueError, match="MAGI_TRITON_DQ must be one of"):
         tb._dq_mode(x)
+
+
+def test_triton_head_dims_and_tile_overrides(monkeypatch):
+    """Head dims the Triton backend runs (compiled ones as they are, other multiples of 8 up to
+    256 zero-padded to the next one, the rest refused), and a bad tile override names the
+    variable and its fields."""
+    from magi_kernels import triton_backend as tb
+
+    assert [tb.kernel_head_dim(d) for d in (8, 40, 64, 80, 96, 128, 160, 192, 256)] == [
+        64, 64, 64, 128, 128, 128, 256, 256, 256]
+    assert [tb.kernel_head_dim(d) for d in (0, 100, 264)] == [None, None, None]
+    q = torch.randn(5, 2, 40)
+    assert all(p.shape[-1] == 64 and torch.equal(p[..., :40], q) and not p[..., 40:].any()
+               for p in tb._pad_head_dim(q, q))
+    monkeypatch.setenv("MAGI_TRITON_BWD_CFG", "64,128,eight,3")
+    with pytest.raises(ValueError, match="MAGI_TRITON_BWD_CFG must be 'BM,BN,num_warps,num_stages'"):
+        tb._bwd_config(128)
