@@ -54,6 +54,7 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
     from magi_attn.masks import make_mask
     from magi_comm import COMM_STATS
     from magi_kernels import flex_flash_attn_func
+    from magi_solver import slice_ranges
 
     dev = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32
@@ -102,7 +103,7 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
             sl1 = make_mask(mask, tpr, seed=0)
             a1 = sum(s.area for s in sl1)
             q1, k1, v1 = (t[:tpr].detach().requires_grad_() for t in (q, k, v))
-            args1 = ([s.q_range.to_tuple() for s in sl1], [s.k_range.to_tuple() for s in sl1], [int(s.mask_type) for s in sl1])
+            args1 = slice_ranges(sl1)
 
             def single():
                 return flex_flash_attn_func(q1, k1, v1, *args1, backend=backend)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from magi_attn.masks import make_mask
+from magi_solver import slice_ranges
 from magi_kernels import flex_flash_attn_func
 
 MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal"]
@@ -62,9 +63,7 @@ def run(args, on_row=lambda rows: None):
             slices = make_mask(mask, S, window=args.window, block=args.block, seed=0)
             area = sum(s.area for s in slices)
             fl_f = 4 * area * hq * d
-            qr = torch.tensor([s.q_range.to_tuple() for s in slices], dtype=torch.int32)  # CPU: no sync
-            kr = torch.tensor([s.k_range.to_tuple() for s in slices], dtype=torch.int32)
-            tm = torch.tensor([int(s.mask_type) for s in slices], dtype=torch.int32)
+            qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in slice_ranges(slices))  # CPU: no sync
             torch.manual_seed(0)
             q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
             k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from magi_attn.masks import make_mask
+from magi_solver import slice_ranges
 from magi_kernels import flex_flash_attn_func
 from magi_kernels import triton_backend as tb
 
@@ -32,8 +33,7 @@ def main() -> int:
     for mask in args.masks:
         slices = make_mask(mask, S, seed=0)
         flops = 2.5 * 4 * sum(s.area for s in slices) * hq * d
-        qr, kr, tm = (torch.tensor([f(s) for s in slices], dtype=torch.int32)
-                      for f in (lambda s: s.q_range.to_tuple(), lambda s: s.k_range.to_tuple(), lambda s: int(s.mask_type)))
+        qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in slice_ranges(slices))  # CPU: no sync
         torch.manual_seed(0)
         q = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))

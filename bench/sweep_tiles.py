@@ -15,6 +15,7 @@ import sys
 import torch
 
 from magi_attn.masks import make_mask
+from magi_solver import slice_ranges
 from magi_kernels import triton_backend as tb
 
 SWEEP = {
@@ -70,9 +71,7 @@ def main() -> int:
     for mask in args.masks:
         slices = make_mask(mask, S, seed=0)
         area = sum(s.area for s in slices)
-        qr = torch.tensor([s.q_range.to_tuple() for s in slices], dtype=torch.int32)
-        kr = torch.tensor([s.k_range.to_tuple() for s in slices], dtype=torch.int32)
-        tm = torch.tensor([int(s.mask_type) for s in slices], dtype=torch.int32)
+        qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in slice_ranges(slices))  # CPU: no sync
         torch.manual_seed(0)
         q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
         k, v = (torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))

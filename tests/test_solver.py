@@ -274,3 +274,13 @@ def test_plan_1m_tokens_64_ranks_is_fast():
     elapsed = time.perf_counter() - t0
     assert plan.dispatch.imbalance() < 1.05
     assert elapsed < 2.0, f"planning took {elapsed:.2f}s"
+
+
+def test_slice_ranges_are_the_kernel_arguments():
+    """slice_ranges gives (q_ranges, k_ranges, mask types) in slice order, as the kernel takes them."""
+    from magi_solver import AttnMaskType, AttnRange, AttnSlice, slice_ranges
+
+    sl = [AttnSlice(AttnRange(0, 5), AttnRange(0, 5), AttnMaskType.CAUSAL),
+          AttnSlice(AttnRange(5, 9), AttnRange(2, 7), AttnMaskType.BICAUSAL)]
+    assert slice_ranges(sl) == ([(0, 5), (5, 9)], [(0, 5), (2, 7)], [int(AttnMaskType.CAUSAL), int(AttnMaskType.BICAUSAL)])
+    assert slice_ranges(iter(sl)) == slice_ranges(sl) and slice_ranges([]) == ([], [], [])

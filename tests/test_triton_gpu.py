@@ -8,6 +8,7 @@ import torch
 from cases import mask_cases
 from magi_kernels import flex_flash_attn_func
 from magi_kernels.testing import dense_attention, dense_mask
+from magi_solver import slice_ranges
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +93,7 @@ def test_triton_token_offsets_beyond_int32():
         return sliding_window_slices(AttnRange(0, n), AttnRange(0, n), (w - 1, 0))
 
     sl = window(S)
-    qr, kr, tm = ([s.q_range.to_tuple() for s in sl], [s.k_range.to_tuple() for s in sl], [int(s.mask_type) for s in sl])
+    qr, kr, tm = slice_ranges(sl)
     out, lse = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
     a, b = S - 3000, S - 2000
     g = torch.zeros_like(out)
@@ -101,8 +102,7 @@ def test_triton_token_offsets_beyond_int32():
     lo = a - w
     qc, kc, vc = (t.detach()[lo:b].clone().requires_grad_() for t in (q, k, v))
     slc = window(b - lo)
-    oc, lc = flex_flash_attn_func(qc, kc, vc, [s.q_range.to_tuple() for s in slc], [s.k_range.to_tuple() for s in slc],
-                                  [int(s.mask_type) for s in slc], backend="torch")
+    oc, lc = flex_flash_attn_func(qc, kc, vc, *slice_ranges(slc), backend="torch")
     oc.backward(g[lo:b])
     torch.testing.assert_close(out[a:b].float(), oc[a - lo:].float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse[a:b], lc[a - lo:], atol=2e-2, rtol=2e-2)

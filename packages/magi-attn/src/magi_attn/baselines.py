@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from magi_comm import all_gather_rows
 from magi_kernels import flex_flash_attn_func
-from magi_solver import AttnRange, AttnSlice, local_slices
+from magi_solver import AttnRange, AttnSlice, local_slices, slice_ranges
 
 
 def _world(group) -> tuple[int, int]:
@@ -132,9 +132,8 @@ def ulysses_attn(
             raise ValueError(f"Ulysses cannot spread num_heads_kv={hk} over cp={world} with num_heads_q={hq}")
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh, kh, vh = (_seq_to_heads(t, world, group) for t in (q, k, v))
-    sl = list(slices)  # full sequence per rank: the global slices apply as they are
-    out, lse = flex_flash_attn_func(qh, kh, vh, [s.q_range.to_tuple() for s in sl], [s.k_range.to_tuple() for s in sl],
-                                    [int(s.mask_type) for s in sl], backend=backend, check_ranges=False)
+    # full sequence per rank: the global slices apply as they are
+    out, lse = flex_flash_attn_func(qh, kh, vh, *slice_ranges(slices), backend=backend, check_ranges=False)
     lse_seq = _heads_to_seq(lse.unsqueeze(-1).contiguous(), world, group).squeeze(-1)
     return _heads_to_seq(out, world, group), lse_seq
 

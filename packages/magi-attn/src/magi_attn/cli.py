@@ -20,6 +20,7 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
     from tqdm import tqdm
 
     from magi_kernels import flex_flash_attn_func
+    from magi_solver import slice_ranges
 
     from . import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_flex_key, undispatch
     from .masks import make_mask
@@ -60,9 +61,7 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
     full_out = undispatch(out.detach(), key)
     plan = key.runtime.plan
     if rank == 0:
-        ref, _ = flex_flash_attn_func(q.double(), k.double(), v.double(), [s.q_range.to_tuple() for s in slices],
-                                      [s.k_range.to_tuple() for s in slices], [int(s.mask_type) for s in slices],
-                                      backend="torch")
+        ref, _ = flex_flash_attn_func(q.double(), k.double(), v.double(), *slice_ranges(slices), backend="torch")
         err = (full_out.double() - ref).abs().max().item()
         tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
         area = sum(s.area for s in slices)

@@ -225,6 +225,13 @@ def total_area(slices: Iterable[AttnSlice]) -> int:
     return sum(s.area for s in slices)
 
 
+def slice_ranges(slices: Iterable[AttnSlice]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """(q_ranges, k_ranges, mask types) of ``slices``: the three slice arguments of the kernel
+    (``flex_flash_attn_func(q, k, v, *slice_ranges(slices))``)."""
+    sl = list(slices)
+    return [s.q_range.to_tuple() for s in sl], [s.k_range.to_tuple() for s in sl], [int(s.mask_type) for s in sl]
+
+
 def validate_slices(
     slices: Sequence[AttnSlice],
     total_seqlen_q: int,
