@@ -2,11 +2,11 @@
 # One device call: build the native extensions, then the stages named in STAGES (default: all)
 #   tests  GPU correctness tests (Triton kernels, native kernels, CUDA IPC collectives; TEST_K,
 #          EXTRA_TESTS=0 skips the warp-specialisation and IPC runs)
-#   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py)
+#   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several)
 #   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
 #   timing the backward timed through autograd and directly, short and long windows (bench/bwd_timing_check.py)
-# Results and logs under $OUT.
+# Results and logs under $OUT (gpu_clocks.csv: SM clock/power/temperature through the call).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 STAGES=${STAGES:-tests sweep bench ipc}
@@ -21,6 +21,10 @@ python3 -c "import magi_comm, magi_kernels" 2>/dev/null || { echo "native instal
   export PYTHONPATH=$PYTHONPATH:$PWD/packages/magi-comm/src:$PWD/packages/magi-kernels/src; tail -5 /tmp/install_magi-comm.log; }
 python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; print('native comm', n.AVAILABLE, n.WITH_CUDA, n.REASON, '| kernels', t._native is not None)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# SM clock, power and temperature every 200 ms for the whole call: says whether a timing ran throttled
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 \
+  > $OUT/gpu_clocks.csv 2>/dev/null &
+CLOCKS_PID=$!
 if has tests; then
   # TEST_K selects a subset of the GPU tests (pytest -k expression)
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/test_triton_gpu.py tests/test_native.py \
@@ -33,8 +37,11 @@ if has tests; then
   fi
 fi
 if has sweep; then
-  timeout ${SWEEP_TIMEOUT:-200} python3 bench/sweep_tiles.py --seqlen ${SWEEP_SEQLEN:-16384} \
-    --masks ${SWEEP_MASKS:-full varlen_causal} >> $OUT/sweep.jsonl 2>> $OUT/sweep.err
+  # MAGI_SWEEP="VAR=a;b;a;b" with SWEEP_REP_MS=1000 is an A/B run
+  for S in ${SWEEP_SEQLEN:-16384}; do
+    timeout ${SWEEP_TIMEOUT:-200} python3 bench/sweep_tiles.py --seqlen $S --rep-ms ${SWEEP_REP_MS:-150} \
+      --masks ${SWEEP_MASKS:-full varlen_causal} >> $OUT/sweep.jsonl 2>> $OUT/sweep.err
+  done
   python3 -c "import json
 for l in open('$OUT/sweep.jsonl'): r=json.loads(l); print(r['mask'][:9], r['var'][12:], r['cfg'], r['pass'], r.get('tflops', r.get('error','')[:60]))"
 fi
@@ -48,4 +55,9 @@ fi
 has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
   > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
+kill $CLOCKS_PID 2>/dev/null
+python3 -c "import sys
+rows=[l.split(', ') for l in open('$OUT/gpu_clocks.csv') if l.count(',')==3]
+c=[int(r[1].split()[0]) for r in rows]; w=[float(r[2].split()[0]) for r in rows if r[2][0].isdigit()]
+print('sm clock MHz min/median/max', min(c), sorted(c)[len(c)//2], max(c), '| power W max', max(w, default=0))" 2>/dev/null
 true

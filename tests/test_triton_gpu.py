@@ -138,16 +138,17 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     torch.testing.assert_close(lse[fin], lse_t[fin], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("rotate", ["0", "1"])
+@pytest.mark.parametrize("rotate,dq_first", [("0", "0"), ("1", "0"), ("1", "1")])
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_matches_dense(case, softcap, rotate, monkeypatch):
+def test_gluon_backward_matches_dense(case, softcap, rotate, dq_first, monkeypatch):
     """The warp-specialised Gluon backward (dK, dV and dQ in one pass; the default on sm90 at
-    d=128) against the float64 reference, GQA group of 3, with either query-block order; the
-    Triton backward must agree."""
+    d=128) against the float64 reference, GQA group of 3, with either query-block order and
+    either matmul order; the Triton backward must agree."""
     from magi_kernels import triton_backend as tb
 
     monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", rotate)
+    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
 
     slices, S = _ragged_cases()[case]
     torch.manual_seed(3)

@@ -75,6 +75,16 @@ def _rotate() -> bool:
     return os.environ.get("MAGI_GLUON_BWD_ROTATE", "1") == "1"
 
 
+def _dq_first() -> bool:
+    """``MAGI_GLUON_BWD_DQ_FIRST=0/1`` (default 0): 0 issues dK then dQ and waits for both;
+    1 issues dQ first and writes it out while dK runs. (Leaving dK in flight into the next
+    block makes ptxas serialise every wgmma of the loop: not offered.)"""
+    raw = os.environ.get("MAGI_GLUON_BWD_DQ_FIRST", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def key_tile_size(d: int) -> int:
     """Keys per program (the block of the key-tile tables the launch reads)."""
     return _config(d)[1]
@@ -126,7 +136,8 @@ if AVAILABLE:
     def _consumer(k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA,
                   META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, PART: gl.constexpr):
+                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
+                  PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -204,17 +215,28 @@ if AVAILABLE:
                     my_ds.permute((1, 0)).store(ds.to(dtype))
                     fence_async_shared()
                     mbarrier.arrive(ds_full.index(b))
-                    dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
-                    mbarrier.wait(ds_full.index(b), (j // 2) & 1)
-                    dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, gl.zeros([BM, DH], gl.float32, dq_layout),
-                                       use_acc=False, is_async=True)  # dQ[:, my half] = dS K
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                    mbarrier.arrive(empty_bars.index(s))
-                    mbarrier.arrive(ds_empty.index(b))
+                    zero_dq = gl.zeros([BM, DH], gl.float32, dq_layout)
+                    if not DQ_FIRST:
+                        dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
+                        mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
+                                           is_async=True)  # dQ[:, my half] = dS K
+                        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                        mbarrier.arrive(empty_bars.index(s))
+                        mbarrier.arrive(ds_empty.index(b))
+                    else:  # dQ first: its epilogue below runs while dK is on the tensor cores
+                        mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+                        dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
+                        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
                     tma.store_wait(0)  # the previous block's reduce-add has read my_dq
                     my_dq.store(dq * scale)
                     fence_async_shared()
                     _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
+                    if DQ_FIRST:  # dK has read this block's Q and dS: release them
+                        dk = warpgroup_mma_wait(0, deps=(dk,))
+                        mbarrier.arrive(empty_bars.index(s))
+                        mbarrier.arrive(ds_empty.index(b))
                     j += 1
         tma.store_wait(0)
 
@@ -234,7 +256,7 @@ if AVAILABLE:
     def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, T, HQ,
                        scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                       ROTATE: gl.constexpr):
+                       ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr):
         HK = HQ // GROUP
         pid = gl.program_id(0)
         hk = pid % HK
@@ -272,10 +294,10 @@ if AVAILABLE:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
                          MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, 0)),
+                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
                          MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, 1)),
+                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0,
                        first, count, hk, GROUP, BM, BN, D, STAGES, ROTATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -300,6 +322,6 @@ if AVAILABLE:
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
             dk, dv, lse2, delta, meta, tiles, members, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(),
+            ROTATE=_rotate(), DQ_FIRST=_dq_first(),
             num_warps=4, maxnreg=MAX_REGS,
         )
