@@ -5,6 +5,7 @@
 #   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several)
 #   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
+#   ncu    Nsight Compute report of one Gluon backward launch (NCU_SEQLENS, NCU_MASKS), if ncu is there
 #   timing the backward timed through autograd and directly, short and long windows (bench/bwd_timing_check.py)
 # Results and logs under $OUT (gpu_clocks.csv: SM clock/power/temperature through the call).
 set -uo pipefail
@@ -54,6 +55,18 @@ if has bench; then
 fi
 has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
   > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
+if has ncu; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then echo "ncu: not installed"; else
+    for S in ${NCU_SEQLENS:-16384 32768}; do for M in ${NCU_MASKS:-full}; do
+      timeout ${NCU_TIMEOUT:-120} $NCU -k regex:bwd_ws -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+        python3 bench/bwd_timing_check.py --seqlen $S --masks $M --windows-ms 1 --rounds 1 \
+        > $OUT/ncu_${M}_$S.txt 2>&1
+      grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issue Slots Busy" $OUT/ncu_${M}_$S.txt | head -14
+    done; done
+  fi
+fi
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
 kill $CLOCKS_PID 2>/dev/null
 python3 -c "import sys

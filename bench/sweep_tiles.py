@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -95,8 +96,10 @@ def main() -> int:
                         mult = 2.5
                     row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "pass": which}
                     try:
+                        t0 = time.time()  # wall-clock span: joins the row with a clock/power log
                         ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
-                        row.update(ms=round(ms, 3), tflops=round(mult * flops / ms / 1e9, 1))
+                        row.update(ms=round(ms, 3), tflops=round(mult * flops / ms / 1e9, 1),
+                                   t0=round(t0, 2), t1=round(time.time(), 2))
                     except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
                         row["error"] = repr(e)[:160]
                     print(json.dumps(row), flush=True)

@@ -138,17 +138,19 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     torch.testing.assert_close(lse[fin], lse_t[fin], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("rotate,dq_first", [("0", "0"), ("1", "0"), ("1", "1")])
+@pytest.mark.parametrize("rotate,dq_first,order", [("0", "0", "head"), ("1", "0", "head"), ("1", "1", "head"),
+                                                   ("1", "0", "tile")])
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_matches_dense(case, softcap, rotate, dq_first, monkeypatch):
+def test_gluon_backward_matches_dense(case, softcap, rotate, dq_first, order, monkeypatch):
     """The warp-specialised Gluon backward (dK, dV and dQ in one pass; the default on sm90 at
     d=128) against the float64 reference, GQA group of 3, with either query-block order and
-    either matmul order; the Triton backward must agree."""
+    either matmul order and either program order; the Triton backward must agree."""
     from magi_kernels import triton_backend as tb
 
     monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", rotate)
     monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
+    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", order)
 
     slices, S = _ragged_cases()[case]
     torch.manual_seed(3)

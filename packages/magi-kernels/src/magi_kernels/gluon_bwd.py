@@ -1,8 +1,10 @@
 """Warp-specialised Hopper backward (Gluon): dK, dV and dQ in one pass, 5 matmuls per block.
 
 One program per (key tile of BN=128 keys, KV head), on the Triton backend's key-tile tables
-(members, layers). It loops over the tile's member slices, the GQA group's query heads and the
-query blocks (BM=64 rows) that see its keys, starting at the tile's diagonal block and wrapping
+(members, layers); consecutive programs are the key tiles of one KV head
+(``MAGI_GLUON_BWD_ORDER``), so the resident programs share one query head's Q/dO/dQ in L2. It
+loops over the tile's member slices, the GQA group's query heads and the query blocks (BM=64
+rows) that see its keys, starting at the tile's diagonal block and wrapping
 (``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
 the same dQ rows at once. The program forks into:
 
@@ -83,6 +85,19 @@ def _dq_first() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def _head_major() -> bool:
+    """``MAGI_GLUON_BWD_ORDER=head/tile`` (default head): whether consecutive programs are the
+    key tiles of one KV head (head) or the KV heads of one key tile (tile). This decides which
+    dQ/Q/dO rows the resident programs share in L2: with head order they all work on one query
+    head's rows (8 MB of fp32 dQ at 16k), with tile order on 8 heads' (32k full: L2 hit rate 40 %,
+    2.5 TB/s from DRAM). Head order: +11 % at 16k full, +31 % at 32k full, +1-2.5 % causal
+    (docs/notes/kernel_measurements.md, v10)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_ORDER", "head")
+    if raw not in ("tile", "head"):
+        raise ValueError(f"MAGI_GLUON_BWD_ORDER must be 'tile' or 'head', got {raw!r}")
+    return raw == "head"
 
 
 def key_tile_size(d: int) -> int:
@@ -256,11 +271,16 @@ if AVAILABLE:
     def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, T, HQ,
                        scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                       ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr):
+                       ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, HEAD_MAJOR: gl.constexpr):
         HK = HQ // GROUP
         pid = gl.program_id(0)
-        hk = pid % HK
-        tile = TILES + (pid // HK) * 4
+        if HEAD_MAJOR:  # consecutive programs: the key tiles of one KV head
+            n_tiles = gl.num_programs(0) // HK
+            hk = pid // n_tiles
+            tile = TILES + (pid % n_tiles) * 4
+        else:  # consecutive programs: the KV heads of one key tile
+            hk = pid % HK
+            tile = TILES + (pid // HK) * 4
         n0 = gl.load(tile)
         t_end = gl.load(tile + 1)
         first = gl.load(tile + 2)
@@ -322,6 +342,6 @@ if AVAILABLE:
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
             dk, dv, lse2, delta, meta, tiles, members, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), DQ_FIRST=_dq_first(),
+            ROTATE=_rotate(), DQ_FIRST=_dq_first(), HEAD_MAJOR=_head_major(),
             num_warps=4, maxnreg=MAX_REGS,
         )
