@@ -109,6 +109,9 @@ def run(args, on_row=lambda rows: None):
                 print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
                 continue
             try:
+                # each row's mask is a new function to Dynamo: without a reset the ninth row passes
+                # its recompile limit and Flex silently runs unfused (OOM at 32k)
+                torch._dynamo.reset()
                 if mask == "full":
                     bm = None
                 elif mask == "causal":
