@@ -97,8 +97,8 @@ def triton_tool(name: str) -> str:
 
 def loops(sass: str) -> list[dict]:
     """Loops (backward branches) of a SASS listing that issue tensor-core instructions:
-    address range, instruction count, HGMMA and local-memory (spill) loads/stores, and whether
-    the loop is innermost."""
+    address range, instruction count, HGMMA, wgmma waits and local-memory (spill) loads/stores,
+    and whether the loop is innermost."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
     spans = []
     for addr, text in ins:
@@ -112,7 +112,7 @@ def loops(sass: str) -> list[dict]:
         if n("HGMMA"):
             inner = not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
             out.append(dict(start=lo, end=hi, instructions=len(body), hgmma=n("HGMMA"), ldl=n("LDL"),
-                            stl=n("STL"), innermost=inner))
+                            stl=n("STL"), wgmma_waits=n("WARPGROUP.DEPBAR"), innermost=inner))
     return out
 
 
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
         print(f"{kind} {arg} (warps {warps}, stages {stages}): {regs}")
         for lp in found:
             print(f"  {'inner' if lp['innermost'] else 'outer'} loop {lp['start']:x}-{lp['end']:x}: "
-                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']}, LDL {lp['ldl']}, STL {lp['stl']}",
+                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']} (waits {lp['wgmma_waits']}), LDL {lp['ldl']}, STL {lp['stl']}",
                   flush=True)
     return 0
 
