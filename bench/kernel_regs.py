@@ -152,7 +152,8 @@ def main(argv: list[str]) -> int:
         print(f"{kind} {arg} (warps {warps}, stages {stages}): {regs}")
         for lp in found:
             print(f"  {'inner' if lp['innermost'] else 'outer'} loop {lp['start']:x}-{lp['end']:x}: "
-                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']} (waits {lp['wgmma_waits']}), LDL {lp['ldl']}, STL {lp['stl']}",
+                  f"{lp['instructions']} instructions, HGMMA {lp['hgmma']} (waits {lp['wgmma_waits']}), "
+                  f"LDL {lp['ldl']}, STL {lp['stl']}",
                   flush=True)
     return 0
 
