@@ -44,10 +44,49 @@ def bench(fn, reps_ms=200):
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
 
 
+def with_env(fn, name: str, value: str):
+    """``fn`` run with the environment variable ``name`` set to ``value`` (the backend reads its
+    switches per call), restored after."""
+    def run_with():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+
+    return run_with
+
+
+def interleaved_times(fns: dict, rounds: int, reps_ms: float) -> dict:
+    """Median ms of each callable over ``rounds`` rounds; each round times every callable once
+    (``reps_ms`` of back-to-back calls), starting one later each round. Under the H200's 700 W
+    cap the SM clock falls from 1980 to 1620-1800 MHz with sustained load and recovers in idle
+    gaps (v10 notes), so timing each implementation in one block would favour whichever follows
+    a gap (Flex after its compile); interleaving gives every one the same mix of clocks."""
+    names = list(fns)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            try:
+                times[n].append(bench(fns[n], reps_ms))
+            except Exception as e:  # noqa: BLE001 - one failing peer must not lose the others' times
+                print(f"{n}: {e!r}"[:300], file=sys.stderr)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items() if t}
+
+
 def run(args, on_row=lambda rows: None):
-    """Time every (seqlen, mask) of ``args``; ``on_row(rows)`` after each row (so a timeout keeps results)."""
+    """Time every (seqlen, mask) of ``args``; ``on_row(rows)`` after each row (so a timeout keeps results).
+
+    Per row: every implementation (ours, our Triton kernels as an A/B, Flex, cuDNN) is set up and
+    run once (compiles, caches), then all are timed in ``args.rounds`` interleaved rounds."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from magi_kernels import triton_backend as tb
 
     # the timing loop calls backward with retain_graph=True, which a compiled backward with
     # donated buffers refuses (it did at 32k after the shapes changed)
@@ -69,30 +108,19 @@ def run(args, on_row=lambda rows: None):
             k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
             v = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
             g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
-            res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S}
+            res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S, "rounds": args.rounds}
 
             def ours():
                 return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False)[0]
 
             o = ours()
-            res["magi_fwd_ms"] = bench(ours)
-            from magi_kernels import triton_backend as tb
-
+            fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
             if tb._use_gluon(q, k, v):  # A/B: the Triton forward in the same process
-                os.environ["MAGI_GLUON_FWD"] = "0"
-                try:
-                    res["magi_triton_fwd_ms"] = bench(ours)
-                    res["magi_triton_fwd_tflops"] = fl_f / res["magi_triton_fwd_ms"] / 1e9
-                finally:
-                    del os.environ["MAGI_GLUON_FWD"]
-            res["magi_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+                fns["magi_triton_fwd"] = with_env(ours, "MAGI_GLUON_FWD", "0")
             if tb._use_gluon_bwd(q, k, v, g):  # A/B: the Triton backward in the same process
-                os.environ["MAGI_GLUON_BWD"] = "0"
-                try:
-                    res["magi_triton_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
-                    res["magi_triton_bwd_tflops"] = 2.5 * fl_f / res["magi_triton_bwd_ms"] / 1e9
-                finally:
-                    del os.environ["MAGI_GLUON_BWD"]
+                fns["magi_triton_bwd"] = with_env(fns["magi_bwd"], "MAGI_GLUON_BWD", "0")
+            for fn in fns.values():
+                fn()
             # metadata cost: host tuple + cached tile tables (what a call pays besides kernels)
             t0 = time.perf_counter()
             for _ in range(100):  # the calls above filled the caches: this is the steady state
@@ -101,57 +129,53 @@ def run(args, on_row=lambda rows: None):
 
             qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
             gf = g.transpose(0, 1).unsqueeze(0)
-            if args.no_peers:
-                res["magi_fwd_tflops"] = fl_f / res["magi_fwd_ms"] / 1e9
-                res["magi_bwd_tflops"] = 2.5 * fl_f / res["magi_bwd_ms"] / 1e9
-                rows.append(res)
-                on_row(rows)
-                print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
-                continue
-            try:
-                # each row's mask is a new function to Dynamo: without a reset the ninth row passes
-                # its recompile limit and Flex silently runs unfused (OOM at 32k)
-                torch._dynamo.reset()
-                if mask == "full":
-                    bm = None
-                elif mask == "causal":
-                    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
-                else:
-                    lo, hi = row_intervals(slices, S, dev)
-                    # _compile: the eager path materialises S x S intermediates (OOM at 32k)
-                    bm = create_block_mask(lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None, S, S,
-                                           device=dev, _compile=True)
-
-                def fx():
-                    return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
-
-                of = fx()
-                res["flex_fwd_ms"] = bench(fx)
-                res["flex_bwd_ms"] = bench(lambda: torch.autograd.grad(of, (qf, kf, vf), gf, retain_graph=True))
-                err = (of[0].transpose(0, 1).float() - o.float()).abs().max().item()
-                res["flex_vs_magi_maxerr"] = err
-            except Exception as e:  # noqa: BLE001 - report and continue
-                res["flex_error"] = repr(e)[:200]
-            if mask in ("full", "causal"):
-                kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
+            if not args.no_peers:
                 try:
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    # each row's mask is a new function to Dynamo: without a reset the ninth row passes
+                    # its recompile limit and Flex silently runs unfused (OOM at 32k)
+                    torch._dynamo.reset()
+                    if mask == "full":
+                        bm = None
+                    elif mask == "causal":
+                        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
+                    else:
+                        lo, hi = row_intervals(slices, S, dev)
+                        # _compile: the eager path materialises S x S intermediates (OOM at 32k)
+                        bm = create_block_mask(lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None, S, S,
+                                               device=dev, _compile=True)
+
+                    def fx():
+                        return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
+
+                    of = fx()
+                    fns["flex_fwd"] = fx
+                    fns["flex_bwd"] = lambda: torch.autograd.grad(of, (qf, kf, vf), gf, retain_graph=True)
+                    fns["flex_bwd"]()
+                    res["flex_vs_magi_maxerr"] = (of[0].transpose(0, 1).float() - o.float()).abs().max().item()
+                except Exception as e:  # noqa: BLE001 - report and continue
+                    res["flex_error"] = repr(e)[:200]
+                    fns.pop("flex_fwd", None), fns.pop("flex_bwd", None)
+                if mask in ("full", "causal"):
+                    kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
+                    try:
                         def cd():
-                            return F.scaled_dot_product_attention(qf, kr_, vr_, is_causal=mask == "causal")
+                            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                                return F.scaled_dot_product_attention(qf, kr_, vr_, is_causal=mask == "causal")
 
                         oc = cd()
-                        res["cudnn_fwd_ms"] = bench(cd)
-                        res["cudnn_bwd_ms"] = bench(lambda: torch.autograd.grad(oc, (qf, kr_, vr_), gf, retain_graph=True))
-                except Exception as e:  # noqa: BLE001
-                    res["cudnn_error"] = repr(e)[:200]
-            for impl in ("magi", "flex", "cudnn"):
-                for which, mult in (("fwd", 1.0), ("bwd", 2.5)):  # a peer may fail after its forward
-                    if f"{impl}_{which}_ms" in res:
-                        res[f"{impl}_{which}_tflops"] = mult * fl_f / res[f"{impl}_{which}_ms"] / 1e9
+                        fns["cudnn_fwd"] = cd
+                        fns["cudnn_bwd"] = lambda: torch.autograd.grad(oc, (qf, kr_, vr_), gf, retain_graph=True)
+                        fns["cudnn_bwd"]()
+                    except Exception as e:  # noqa: BLE001
+                        res["cudnn_error"] = repr(e)[:200]
+                        fns.pop("cudnn_fwd", None), fns.pop("cudnn_bwd", None)
+            for name, ms in interleaved_times(fns, args.rounds, args.rep_ms).items():
+                res[f"{name}_ms"] = ms
+                res[f"{name}_tflops"] = (2.5 if name.endswith("bwd") else 1.0) * fl_f / ms / 1e9
             rows.append(res)
             on_row(rows)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
-            del q, k, v, g, qf, kf, vf
+            del q, k, v, g, qf, kf, vf, fns
             torch.cuda.empty_cache()
     return rows
 
@@ -195,6 +219,8 @@ def main():
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--plot", default=None)
     p.add_argument("--no-peers", action="store_true", help="only time magi (tuning runs)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (median)")
+    p.add_argument("--rep-ms", type=float, default=150, help="ms of back-to-back calls per timing")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="no timing: merge these result files (later rows win) into --out, --plot and a table")
     args = p.parse_args()

@@ -73,9 +73,9 @@ def test_gluon_forward_compiles_without_spills():
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
 
 
-@pytest.mark.parametrize("head_major", [True, False])
-def test_gluon_backward_compiles_with_pipelined_wgmma(head_major):
-    """The Gluon backward compiles for sm_90a in either program order with both consumers'
+@pytest.mark.parametrize("rotate", [True, False])
+def test_gluon_backward_compiles_with_pipelined_wgmma(rotate):
+    """The Gluon backward compiles for sm_90a with either query-block order, both consumers'
     block loops issuing their 32 wgmma each; spills in those loops stay at the measured level
     (scalar bookkeeping, v9/v10 notes). A change that makes ptxas serialise the wgmma (a
     wait after every one of them) would show as a wait after each of the 32."""
@@ -83,7 +83,7 @@ def test_gluon_backward_compiles_with_pipelined_wgmma(head_major):
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     bm, bn, stages = gb.CONFIGS[128]
-    src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, HEAD_MAJOR=head_major)
+    src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate)
     _, loops = kr.compile_report(src, 4, 1, maxnreg=gb.MAX_REGS)
     inner = _inner(loops)
     assert len(inner) == 2 and all(lp["hgmma"] == 32 for lp in inner), inner
@@ -95,11 +95,13 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
     """Bad values of the backward's order switches name the variable and the choices."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "rows")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_ORDER must be 'tile' or 'head'"):
-        gb._head_major()
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_ORDER must be 'auto', 'head', 'tile' or a positive"):
+        gb._order_mode()
+    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
+    assert gb._order_mode() == 3
     monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", "2")
     with pytest.raises(ValueError, match="MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1"):
         gb._dq_first()
     monkeypatch.delenv("MAGI_GLUON_BWD_ORDER")
     monkeypatch.delenv("MAGI_GLUON_BWD_DQ_FIRST")
-    assert gb._head_major() and not gb._dq_first()  # the measured defaults
+    assert gb._order_mode() == "auto" and not gb._dq_first()  # the measured defaults

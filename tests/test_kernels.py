@@ -161,11 +161,12 @@ def test_triton_tile_tables_longest_first_and_row_coverage():
     from magi_kernels import triton_backend as tb
 
     meta, layers, covered = tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
-    table, members, n = layers[0]
+    table, members, n, host_work = layers[0]
     assert n == 5 and covered and members.tolist() == [0] * 5
     start, end, first, count = table.long().unbind(1)
     work = tb.tile_work(meta, members[first], start, 0, 64)
     assert work.tolist() == sorted(work.tolist(), reverse=True) and start.tolist()[0] == 256  # causal: last rows first
+    assert list(host_work) == work.tolist() == [300, 256, 192, 128, 64]  # the host copy the launch order uses
     assert end.tolist()[0] == 300 and count.tolist() == [1] * 5
     assert not tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
     assert tb._tiles(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
@@ -185,7 +186,7 @@ def test_triton_tiles_merge_slices_of_one_phase():
     shared = ((0, 100, 0, 100, 1), (100, 228, 0, 100, 0), (100, 200, 100, 200, 1))
     meta, layers, covered = tb._tiles(shared, 0, 64, "cpu", 228)
     assert len(layers) == 1 and covered
-    table, members, _ = layers[0]
+    table, members, _, _ = layers[0]
     rows = {int(t[0]): (int(t[1]), sorted(members[int(t[2]):int(t[2]) + int(t[3])].tolist())) for t in table}
     assert rows[100] == (164, [1, 2]) and rows[164] == (228, [1, 2]) and rows[0] == (64, [0])
     # block-causal keys: every block's k range starts at the document start -> one k layer

@@ -138,7 +138,7 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     torch.testing.assert_close(lse[fin], lse_t[fin], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("rotate,dq_first,order", [("0", "0", "head"), ("1", "0", "head"), ("1", "1", "head"),
+@pytest.mark.parametrize("rotate,dq_first,order", [("0", "0", "head"), ("1", "0", "auto"), ("1", "1", "head"),
                                                    ("1", "0", "tile")])
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 @pytest.mark.parametrize("case", list(_ragged_cases()))

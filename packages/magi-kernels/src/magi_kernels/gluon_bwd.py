@@ -1,8 +1,9 @@
 """Warp-specialised Hopper backward (Gluon): dK, dV and dQ in one pass, 5 matmuls per block.
 
 One program per (key tile of BN=128 keys, KV head), on the Triton backend's key-tile tables
-(members, layers); consecutive programs are the key tiles of one KV head
-(``MAGI_GLUON_BWD_ORDER``), so the resident programs share one query head's Q/dO/dQ in L2. It
+(members, layers), launched in the order ``program_order`` picks (``MAGI_GLUON_BWD_ORDER``):
+mostly the key tiles of one KV head after another, so the resident programs share one query
+head's Q/dO/dQ in L2, with the last heads tile-major where that shortens the tail. It
 loops over the tile's member slices, the GQA group's query heads and the query blocks (BM=64
 rows) that see its keys, starting at the tile's diagonal block and wrapping
 (``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
@@ -27,10 +28,12 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
+from . import program_order
 from .env_config import env_config
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
 
@@ -87,17 +90,43 @@ def _dq_first() -> bool:
     return raw == "1"
 
 
-def _head_major() -> bool:
-    """``MAGI_GLUON_BWD_ORDER=head/tile`` (default head): whether consecutive programs are the
-    key tiles of one KV head (head) or the KV heads of one key tile (tile). This decides which
-    dQ/Q/dO rows the resident programs share in L2: with head order they all work on one query
-    head's rows (8 MB of fp32 dQ at 16k), with tile order on 8 heads' (32k full: L2 hit rate 40 %,
-    2.5 TB/s from DRAM). Head order: +11 % at 16k full, +31 % at 32k full, +1-2.5 % causal
-    (docs/notes/kernel_measurements.md, v10)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_ORDER", "head")
-    if raw not in ("tile", "head"):
-        raise ValueError(f"MAGI_GLUON_BWD_ORDER must be 'tile' or 'head', got {raw!r}")
-    return raw == "head"
+def _order_mode() -> str | int:
+    """``MAGI_GLUON_BWD_ORDER=auto/head/tile/<band>`` (default auto): the launch order of the
+    (key tile, KV head) programs (``program_order``). ``head``: the key tiles of one KV head,
+    then the next (resident programs share one query head's Q/dO/dQ in L2: +11 % at 16k full,
+    +31 % at 32k full over ``tile``, docs/notes/kernel_measurements.md v10); ``tile``: every
+    head's tile before the next tile, longest first (shortest tail); a number: the last that
+    many heads tile-major; ``auto``: the smallest such band whose estimated tail is within 2 %."""
+    raw = os.environ.get("MAGI_GLUON_BWD_ORDER", "auto")
+    if raw in ("auto", "head", "tile"):
+        return raw
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    raise ValueError(f"MAGI_GLUON_BWD_ORDER must be 'auto', 'head', 'tile' or a positive band size, got {raw!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def order_band(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int) -> int:
+    """How many of the last KV heads run tile-major (1 = head-major) for tiles of ``work``."""
+    if mode == "head":
+        return 1
+    if mode == "tile":
+        return n_heads
+    if isinstance(mode, int):
+        return min(mode, n_heads)
+    return program_order.choose_band(program_order.tile_costs(work, block_rows), n_heads, n_sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int,
+                 device: torch.device) -> torch.Tensor:
+    band = order_band(work, n_heads, n_sms, mode, block_rows)
+    order = program_order.band_order(len(work), n_heads, band)
+    return torch.tensor(order, dtype=torch.int32).to(device)
 
 
 def key_tile_size(d: int) -> int:
@@ -268,19 +297,15 @@ if AVAILABLE:
         gl.store(DV + ptr, dv, mask=kmask)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, T, HQ,
-                       scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                       D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                       ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, HEAD_MAJOR: gl.constexpr):
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER, T,
+                       HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                       ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr):
         HK = HQ // GROUP
-        pid = gl.program_id(0)
-        if HEAD_MAJOR:  # consecutive programs: the key tiles of one KV head
-            n_tiles = gl.num_programs(0) // HK
-            hk = pid // n_tiles
-            tile = TILES + (pid % n_tiles) * 4
-        else:  # consecutive programs: the KV heads of one key tile
-            hk = pid % HK
-            tile = TILES + (pid // HK) * 4
+        n_tiles = gl.num_programs(0) // HK
+        prog = gl.load(ORDER + gl.program_id(0))  # launch order (program_order): head * n_tiles + tile
+        hk = prog // n_tiles
+        tile = TILES + (prog % n_tiles) * 4
         n0 = gl.load(tile)
         t_end = gl.load(tile + 1)
         first = gl.load(tile + 2)
@@ -330,18 +355,18 @@ if AVAILABLE:
         layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
 
-    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, n_tiles, scale, qk_scale, cap_in, cap_out,
+    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
                softcap, accum):
-        """One launch over ``n_tiles`` key tiles x KV heads (key-tile tables of block
-        ``key_tile_size(d)``). ``dq`` is an fp32 accumulator the launch adds to; ``dk``/``dv``
-        are written (``accum``: added to)."""
+        """One launch over the key tiles (key-tile tables of block ``key_tile_size(d)``; ``work``:
+        the host copy of their work, which sets the launch order) x KV heads. ``dq`` is an fp32
+        accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
-        _bwd_ws_kernel[(n_tiles * hk,)](
+        order = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, q.device)
+        _bwd_ws_kernel[(len(work) * hk,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
-            dk, dv, lse2, delta, meta, tiles, members, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
+            dk, dv, lse2, delta, meta, tiles, members, order, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), DQ_FIRST=_dq_first(), HEAD_MAJOR=_head_major(),
-            num_warps=4, maxnreg=MAX_REGS,
+            ROTATE=_rotate(), DQ_FIRST=_dq_first(), num_warps=4, maxnreg=MAX_REGS,
         )

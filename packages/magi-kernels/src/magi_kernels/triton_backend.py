@@ -141,8 +141,9 @@ def tile_work(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: 
 
 def _group_tiles(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: int, block: int):
     """Merge a layer's (slice, tile start) pairs into tiles: a table of (start, end, first member,
-    member count) per tile, ordered by descending work, and the member slice ids. ``end`` is the
-    last row any member covers (the tile writes [start, end))."""
+    member count) per tile, ordered by descending work, the member slice ids and each tile's work
+    (visible rows of the other axis, summed over members; descending). ``end`` is the last row
+    any member covers (the tile writes [start, end))."""
     order = torch.sort(start.long() * len(meta) + sid.long(), stable=True).indices  # by start, then slice
     sid, start = sid[order], start[order]
     starts, counts = torch.unique_consecutive(start, return_counts=True)
@@ -153,23 +154,24 @@ def _group_tiles(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axi
     first = torch.cumsum(counts, 0) - counts
     table = torch.stack([starts.long(), end, first, counts.long()], 1)
     by_work = torch.sort(work, descending=True, stable=True).indices
-    return table[by_work].to(torch.int32).contiguous(), sid.contiguous()
+    return table[by_work].to(torch.int32).contiguous(), sid.contiguous(), tuple(work[by_work].tolist())
 
 
 @functools.lru_cache(maxsize=256)
 def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str, n_rows: int = -1):
-    """(slice table, [(tile table, member slice ids, n tiles) per layer], layer 0 covers all rows).
+    """(slice table, [(tile table, member slice ids, n tiles, work per tile) per layer], layer 0
+    covers all rows).
 
-    Tiles run longest first. The last flag says whether layer 0 writes every one of ``n_rows``
+    Tiles run longest first (the work tuple is on the host, descending). The last flag says whether layer 0 writes every one of ``n_rows``
     rows (then outputs need no zero fill).
     """
     meta_cpu = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5)
     layers, covered = [], 0
     for li, (sid, start) in enumerate(_layer_pairs(slices, axis, block)):
-        table, members = _group_tiles(meta_cpu, sid, start, axis, block)
+        table, members, work = _group_tiles(meta_cpu, sid, start, axis, block)
         if li == 0:  # tiles of a layer are disjoint: the rows layer 0 writes
             covered = int((table[:, 1] - table[:, 0]).sum())
-        layers.append((table.to(device), members.to(device), len(table)))
+        layers.append((table.to(device), members.to(device), len(table), work))
     return meta_cpu.to(device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
 
 
@@ -640,7 +642,7 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
     kd, vd = (None, None) if gluon else (_descriptor(k, BN, tma), _descriptor(v, BN, tma))
-    for li, (tiles, members, n) in enumerate(layers):
+    for li, (tiles, members, n, _work) in enumerate(layers):
         if gluon:
             gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, n, qk_scale, cap_in, cap_out, softcap, li > 0)
             continue
@@ -691,8 +693,8 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
         dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
         dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
-        for li, (tiles, members, n) in enumerate(kv_layers):
-            gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, n, softmax_scale,
+        for li, (tiles, members, n, work) in enumerate(kv_layers):
+            gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, work, softmax_scale,
                              qk_scale, cap_in, cap_out, softcap, li > 0)
         return dq, dk, dv
     BM1, BN1, warps1, stages1 = _bwd_config(d)
