@@ -44,7 +44,7 @@ def test_full_mask_stays_head_major(n_tiles):
     assert po.choose_band(costs_of("full", n_tiles), 8, 132) == 1
 
 
-@pytest.mark.parametrize("n_tiles,expected", [(64, 6), (128, 1), (256, 1)])
+@pytest.mark.parametrize("n_tiles,expected", [(64, 8), (128, 1), (256, 1)])
 def test_causal_band_by_length(n_tiles, expected):
     """Causal 8k/16k/32k, 8 KV heads, 132 SMs: at 8k head-major finishes 23 % after longest-first
     (the last head's first tile runs the whole length, started late); from 16k its tail is
@@ -55,7 +55,7 @@ def test_causal_band_by_length(n_tiles, expected):
     head = po.simulated_finish(po.band_order(n_tiles, 8, 1), costs, n_tiles, 132)
     lpt = po.simulated_finish(po.band_order(n_tiles, 8, 8), costs, n_tiles, 132)
     chosen = po.simulated_finish(po.band_order(n_tiles, 8, band), costs, n_tiles, 132)
-    assert chosen <= 1.02 * lpt
+    assert chosen <= (1 + po.TOLERANCE) * lpt
     if n_tiles == 64:
         assert head > 1.2 * lpt
 

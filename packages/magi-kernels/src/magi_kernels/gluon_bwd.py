@@ -96,7 +96,8 @@ def _order_mode() -> str | int:
     then the next (resident programs share one query head's Q/dO/dQ in L2: +11 % at 16k full,
     +31 % at 32k full over ``tile``, docs/notes/kernel_measurements.md v10); ``tile``: every
     head's tile before the next tile, longest first (shortest tail); a number: the last that
-    many heads tile-major; ``auto``: the smallest such band whose estimated tail is within 2 %."""
+    many heads tile-major; ``auto``: the smallest band of 1, 2, 4, ... heads whose simulated
+    finish is within 5 % of tile-major's (``program_order.choose_band``)."""
     raw = os.environ.get("MAGI_GLUON_BWD_ORDER", "auto")
     if raw in ("auto", "head", "tile"):
         return raw
