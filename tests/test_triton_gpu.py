@@ -146,16 +146,29 @@ def test_gluon_backward_matches_dense(case, softcap, rotate, dq_first, order, mo
     """The warp-specialised Gluon backward (dK, dV and dQ in one pass; the default on sm90 at
     d=128) against the float64 reference, GQA group of 3, with either query-block order and
     either matmul order and either program order; the Triton backward must agree."""
-    from magi_kernels import triton_backend as tb
-
     monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", rotate)
     monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", order)
 
-    slices, S = _ragged_cases()[case]
+    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
+
+
+@pytest.mark.parametrize("order", ["2", "4", "tile"])
+@pytest.mark.parametrize("case", ["ragged_big", "causal"])
+def test_gluon_backward_banded_launch_orders_match_dense(case, order, monkeypatch):
+    """Launch orders that mix head-major and tile-major heads (``program_order``), with 8 KV
+    heads so that bands of 2 and 4 are real mixtures."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", order)
+    _check_gluon_backward(*_ragged_cases()[case], 16, 8, 0.0, monkeypatch)
+
+
+def _check_gluon_backward(slices, S, hq, hk, softcap, monkeypatch):
+    """The Gluon backward against the float64 reference and the Triton backward (d=128, bf16)."""
+    from magi_kernels import triton_backend as tb
+
     torch.manual_seed(3)
-    q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (6, 2, 2))
-    g = torch.randn(S, 6, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))
+    g = torch.randn(S, hq, 128, device="cuda", dtype=torch.bfloat16)
     if not tb._use_gluon_bwd(q, k, v, g):
         pytest.skip("the Gluon backward needs sm90")
     args = ([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices])
