@@ -61,7 +61,7 @@ def with_env(fn, name: str, value: str):
     return run_with
 
 
-def interleaved_times(fns: dict, rounds: int, reps_ms: float) -> dict:
+def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench) -> dict:
     """Median ms of each callable over ``rounds`` rounds; each round times every callable once
     (``reps_ms`` of back-to-back calls), starting one later each round. Under the H200's 700 W
     cap the SM clock falls from 1980 to 1620-1800 MHz with sustained load and recovers in idle
@@ -72,7 +72,7 @@ def interleaved_times(fns: dict, rounds: int, reps_ms: float) -> dict:
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
             try:
-                times[n].append(bench(fns[n], reps_ms))
+                times[n].append(timer(fns[n], reps_ms))
             except Exception as e:  # noqa: BLE001 - one failing peer must not lose the others' times
                 print(f"{n}: {e!r}"[:300], file=sys.stderr)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items() if t}
