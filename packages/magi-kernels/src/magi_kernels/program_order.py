@@ -70,6 +70,11 @@ def choose_band(costs: Sequence[float], n_heads: int, n_sms: int, tolerance: flo
     n_tiles = len(costs)
     if n_tiles == 0 or min(costs) == max(costs):  # equal tiles: every order finishes together
         return 1
+    # no order finishes before the balanced load or the longest tile: a band this close to that
+    # bound needs no longest-first simulation (long sequences: one simulation instead of two)
+    bound = max(n_heads * sum(costs) / n_sms, max(costs))
+    if simulated_finish(band_order(n_tiles, n_heads, 1), costs, n_tiles, n_sms) <= (1 + tolerance) * bound:
+        return 1
     longest_first = simulated_finish(band_order(n_tiles, n_heads, n_heads), costs, n_tiles, n_sms)
     for band in _candidate_bands(n_heads)[:-1]:
         finish = simulated_finish(band_order(n_tiles, n_heads, band), costs, n_tiles, n_sms)
