@@ -16,7 +16,7 @@ longest-first order's: equal tiles (a full mask) keep head-major, a causal mask 
 tile-major, at 16k and longer head-major again (its tail is then under 2 %), packed documents
 get bands of 2-4 heads at 8k-16k. Measured on the H200 (v11): 8k causal 385 -> 400-417 TFLOP/s,
 8k varlen causal 278 -> 318, 16k varlen causal 350 -> 363. Plain Python on host-side work
-counts (no device reads); the caller caches the result with the tile tables.
+counts (no device reads); the caller (``gluon_bwd``) caches the order table per work tuple.
 """
 
 from __future__ import annotations
@@ -73,11 +73,13 @@ def choose_band(costs: Sequence[float], n_heads: int, n_sms: int, tolerance: flo
     # no order finishes before the balanced load or the longest tile: a band this close to that
     # bound needs no longest-first simulation (long sequences: one simulation instead of two)
     bound = max(n_heads * sum(costs) / n_sms, max(costs))
-    if simulated_finish(band_order(n_tiles, n_heads, 1), costs, n_tiles, n_sms) <= (1 + tolerance) * bound:
+    head_major = simulated_finish(band_order(n_tiles, n_heads, 1), costs, n_tiles, n_sms)
+    if head_major <= (1 + tolerance) * bound:
         return 1
     longest_first = simulated_finish(band_order(n_tiles, n_heads, n_heads), costs, n_tiles, n_sms)
     for band in _candidate_bands(n_heads)[:-1]:
-        finish = simulated_finish(band_order(n_tiles, n_heads, band), costs, n_tiles, n_sms)
+        finish = head_major if band == 1 else simulated_finish(band_order(n_tiles, n_heads, band), costs, n_tiles,
+                                                                 n_sms)
         if finish <= (1 + tolerance) * longest_first:
             return band
     return n_heads

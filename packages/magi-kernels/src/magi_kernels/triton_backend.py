@@ -162,8 +162,8 @@ def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: s
     """(slice table, [(tile table, member slice ids, n tiles, work per tile) per layer], layer 0
     covers all rows).
 
-    Tiles run longest first (the work tuple is on the host, descending). The last flag says whether layer 0 writes every one of ``n_rows``
-    rows (then outputs need no zero fill).
+    Tiles run longest first (the work tuple is on the host, descending). The last flag says
+    whether layer 0 writes every one of ``n_rows`` rows (then outputs need no zero fill).
     """
     meta_cpu = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5)
     layers, covered = [], 0
