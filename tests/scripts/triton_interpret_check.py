@@ -34,7 +34,11 @@ if _orig_patch_tensor is not None:
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cases import mask_cases  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from magi_kernels import triton_backend as tb  # noqa: E402
+from magi_kernels.epilogue_jit import key_row_bounds, row_bounds  # noqa: E402
 from magi_kernels.testing import dense_attention, dense_mask  # noqa: E402
 
 CASES = {
@@ -56,8 +60,48 @@ SHAPES = [(4, 2, 64, 0.0, "0", "split"), (8, 1, 128, 2.0, "1", "atomic"), (2, 1,
           (2, 1, 40, 1.5, "0", "split")]
 
 
+@triton.jit
+def _both_bounds(OUT_R, OUT_K, qs, qe, ks, ke, t, q_hi, R: tl.constexpr, K: tl.constexpr):
+    """Visibility of rows [0, R) x keys [0, K) of one slice by ``row_bounds`` and by
+    ``key_row_bounds`` (rows below q_hi)."""
+    rows = tl.arange(0, R)
+    keys = tl.arange(0, K)
+    inv, cau = (t & 2) != 0, (t & 1) != 0
+    lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
+    by_row = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])
+    by_row = by_row & (rows[:, None] >= qs) & (rows[:, None] < q_hi)
+    rlo, rhi = key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi)
+    by_key = (rows[:, None] >= rlo[None, :]) & (rows[:, None] < rhi[None, :])
+    idx = rows[:, None] * K + keys[None, :]
+    tl.store(OUT_R + idx, by_row.to(tl.int32))
+    tl.store(OUT_K + idx, by_key.to(tl.int32))
+
+
+def check_key_row_bounds() -> bool:
+    """``key_row_bounds`` (the Gluon backward's mask with keys as rows) is the transpose of
+    ``row_bounds``: the same visible (row, key) pairs for every mask type, a key window that
+    overhangs the slice and a row cap ``q_hi`` below the slice's end."""
+    gen = torch.Generator().manual_seed(1)
+    seen = 0
+    for _ in range(60):
+        qs, qe, ks, ke = (int(x) for x in torch.randint(0, 32, (4,), generator=gen))
+        qs, qe, ks, ke = min(qs, qe), max(qs, qe) + 1, min(ks, ke), max(ks, ke) + 1
+        for t in range(4):
+            q_hi = int(torch.randint(qs, qe + 1, (1,), generator=gen))
+            a, b = torch.zeros(32 * 64, dtype=torch.int32), torch.zeros(32 * 64, dtype=torch.int32)
+            _both_bounds[(1,)](a, b, qs, qe, ks, ke, t, q_hi, R=32, K=64)
+            if not torch.equal(a, b):
+                print(f"FAIL key_row_bounds slice {(qs, qe, ks, ke, t)} q_hi={q_hi}")
+                return False
+            seen += int(a.sum())
+    print(f"key_row_bounds == row_bounds^T on 240 slices ({seen} visible pairs)")
+    return seen > 0
+
+
 def main() -> int:
     assert tb.AVAILABLE, "triton is not importable"
+    if not check_key_row_bounds():
+        return 1
     worst = 0.0
     for name, (slices, S) in CASES.items():
         for hq, hk, d, cap, tma, dq_mode in SHAPES:

@@ -46,6 +46,14 @@ if AVAILABLE:
         return lo, hi
 
     @triton.jit
+    def key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi):
+        """Per-key visible query rows [lo, hi), below ``q_hi``: the transpose of ``row_bounds``
+        (key c is visible to row r iff row_bounds(r) holds c); empty for keys outside [ks, ke)."""
+        lo = tl.maximum(tl.where(cau, keys - ke + qe, qs), qs)
+        hi = tl.minimum(tl.minimum(tl.where(inv, keys - ks + qs + 1, qe), qe), q_hi)
+        return lo, tl.where((keys >= ks) & (keys < ke), hi, lo)
+
+    @triton.jit
     def key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN: tl.constexpr):
         """Query rows of a slice that a key tile [n0, n0+BN) meets:
         [q_lo, q_hi) see at least one of its keys, [f_lo, f_hi) see all of them (empty when the

@@ -46,7 +46,7 @@ if AVAILABLE:
         AVAILABLE = False
 
 if AVAILABLE:
-    from .epilogue_jit import key_tile_rows, query_block_order, query_block_row, row_bounds
+    from .epilogue_jit import key_row_bounds, key_tile_rows, query_block_order, query_block_row, row_bounds
     from .gluon_common import (
         CONSUMER_REGS,
         LOADER_REGS,
@@ -88,6 +88,16 @@ def _dq_first() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def _scores() -> str:
+    """``MAGI_GLUON_BWD_SCORES=qk/kq`` (default qk): the orientation of the score matmuls.
+    ``qk``: S = Q K^T, P and dS through shared memory to the dK/dV matmuls; ``kq``: S^T = K Q^T,
+    P^T and dS^T stay in registers as the dK/dV matmuls' A operands (see ``_consumer``)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_SCORES", "qk")
+    if raw not in ("qk", "kq"):
+        raise ValueError(f"MAGI_GLUON_BWD_SCORES must be 'qk' or 'kq', got {raw!r}")
+    return raw
 
 
 def _order_mode() -> str | int:
@@ -182,14 +192,19 @@ if AVAILABLE:
                   META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
-                  PART: gl.constexpr):
+                  KQ: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
         Scores are computed as S = Q K^T ([query rows, keys], FA3's orientation), so the row
-        statistics (LSE, delta) take 2 registers per thread instead of 16 for S^T's columns, which
-        is what keeps dK, dV, S and dP (192 registers) from spilling. P and dS reach the dK/dV
-        matmuls as [keys, rows] operands through shared memory."""
+        statistics (LSE, delta) take 2 registers per thread instead of 16 for S^T's columns; P and
+        dS reach the dK/dV matmuls as [keys, rows] operands through shared memory.
+
+        ``KQ`` computes S^T = K Q^T and dP^T = V dO^T instead ([keys, query rows]): P^T and dS^T
+        are then already the [keys, rows] A operands of dV += P^T dO and dK += dS^T Q and stay in
+        registers (no P in shared memory, no fence before dV; 24 KB less shared-memory traffic
+        per warpgroup and block), at 16 registers each for LSE and delta, and dS^T is stored for
+        dQ without a transpose."""
         kv_bar, q_bars, do_bars, empty_bars, ds_full, ds_empty = bars
         W: gl.constexpr = BN // 2
         DH: gl.constexpr = D // 2
@@ -201,6 +216,11 @@ if AVAILABLE:
                                                             instr_shape=[16, DH, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BM, 16])  # KQ: S^T [W, BM]
+        st_rows: gl.constexpr = gl.SliceLayout(0, st_layout)  # KQ: query rows are S^T's columns
+        st_keys: gl.constexpr = gl.SliceLayout(1, st_layout)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
 
         k_rows = k_smem.slice(PART * W, W, dim=0)
@@ -210,6 +230,7 @@ if AVAILABLE:
         my_dq = dq_smem.index(PART)
         dk = gl.zeros([W, D], gl.float32, kv_layout)
         dv = gl.zeros([W, D], gl.float32, kv_layout)
+        inv_qk_scale = 1.0 / qk_scale
         mbarrier.wait(kv_bar, 0)
         j = 0
         for i in range(first, first + count):
@@ -223,46 +244,82 @@ if AVAILABLE:
                 for t in range(n_blocks):
                     mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
                     s = j % STAGES
-                    rows = mb + gl.arange(0, BM, layout=row_layout)
-                    rmask = rows < q_hi
-                    lse2 = gl.load(lse_row + rows, mask=rmask, other=0.0)
-                    delta = gl.load(delta_row + rows, mask=rmask, other=0.0)
-                    zero_s = gl.zeros([BM, W], gl.float32, s_layout)
                     q_s = q_smem.index(s)
                     do_s = do_smem.index(s)
-                    mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
-                    sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
-                    dp = warpgroup_mma(do_s, v_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    sc = warpgroup_mma_wait(1, deps=(sc,))
-                    if HAS_SOFTCAP:
-                        th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
-                        p = gl.exp2(th * cap_out - lse2[:, None])
-                    else:
-                        p = gl.exp2(sc * qk_scale - lse2[:, None])
-                    if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
-                        lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
-                        keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
-                        vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
-                        p = gl.where(vis, p, 0.0)
-                    my_p.permute((1, 0)).store(p.to(dtype))
-                    fence_async_shared()
-                    dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
-                    dp = warpgroup_mma_wait(1, deps=(dp,))
-                    ds = p * (dp - delta[:, None])
-                    if HAS_SOFTCAP:
-                        ds = ds * (1.0 - th * th)
-                    # the block's dS^T: both warpgroups' halves in shared memory (double-buffered)
                     b = j % 2
-                    ds_b = ds_smem.index(b)  # [BN, BM]
+                    ds_b = ds_smem.index(b)  # [BN, BM]: the block's dS^T, both warpgroups' halves
                     my_ds = ds_b.slice(PART * W, W, dim=0)
-                    mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
-                    my_ds.permute((1, 0)).store(ds.to(dtype))
+                    if KQ:
+                        rows = mb + gl.arange(0, BM, layout=st_rows)
+                        rmask = rows < q_hi
+                        lse2 = gl.load(lse_row + rows, mask=rmask, other=0.0)
+                        # S^T starts at -LSE/scale, so that the row vector (16 registers here) is
+                        # dead once S^T is issued (nothing is in flight then; an initialised dP^T
+                        # accumulator would make ptxas wait for S^T before issuing it)
+                        zero_st = gl.zeros([W, BM], gl.float32, st_layout)
+                        s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
+                        mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                        sc = warpgroup_mma(k_rows, q_s.permute((1, 0)), s_init, is_async=True)
+                        mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
+                        dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                        delta = gl.load(delta_row + rows, mask=rmask, other=0.0)
+                        sc = warpgroup_mma_wait(1, deps=(sc,))
+                        if HAS_SOFTCAP:
+                            th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
+                            p = gl.exp2(th * cap_out - lse2[None, :])
+                        else:
+                            p = gl.exp2(sc * qk_scale)
+                        if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
+                            keys = n0 + PART * W + gl.arange(0, W, layout=st_keys)
+                            lo, hi = key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi)
+                            p = gl.where((rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None]), p, 0.0)
+                        p_a = gl.convert_layout(p.to(dtype), a_layout)
+                        dv = warpgroup_mma(p_a, do_s, dv, is_async=True)  # dV += P^T dO
+                        dp = warpgroup_mma_wait(1, deps=(dp,))
+                        ds = p * (dp - delta[None, :])
+                        if HAS_SOFTCAP:
+                            ds = ds * (1.0 - th * th)
+                        ds_a = gl.convert_layout(ds.to(dtype), a_layout)
+                        if not DQ_FIRST:
+                            dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)  # dK += dS^T Q
+                        mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                        my_ds.store(ds.to(dtype))
+                    else:
+                        rows = mb + gl.arange(0, BM, layout=row_layout)
+                        rmask = rows < q_hi
+                        lse2 = gl.load(lse_row + rows, mask=rmask, other=0.0)
+                        delta = gl.load(delta_row + rows, mask=rmask, other=0.0)
+                        zero_s = gl.zeros([BM, W], gl.float32, s_layout)
+                        mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                        sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
+                        dp = warpgroup_mma(do_s, v_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        sc = warpgroup_mma_wait(1, deps=(sc,))
+                        if HAS_SOFTCAP:
+                            th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
+                            p = gl.exp2(th * cap_out - lse2[:, None])
+                        else:
+                            p = gl.exp2(sc * qk_scale - lse2[:, None])
+                        if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
+                            lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
+                            keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
+                            vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
+                            p = gl.where(vis, p, 0.0)
+                        my_p.permute((1, 0)).store(p.to(dtype))
+                        fence_async_shared()
+                        dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
+                        dp = warpgroup_mma_wait(1, deps=(dp,))
+                        ds = p * (dp - delta[:, None])
+                        if HAS_SOFTCAP:
+                            ds = ds * (1.0 - th * th)
+                        mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                        my_ds.permute((1, 0)).store(ds.to(dtype))
                     fence_async_shared()
                     mbarrier.arrive(ds_full.index(b))
                     zero_dq = gl.zeros([BM, DH], gl.float32, dq_layout)
                     if not DQ_FIRST:
-                        dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
+                        if not KQ:
+                            dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
                         mbarrier.wait(ds_full.index(b), (j // 2) & 1)
                         dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
                                            is_async=True)  # dQ[:, my half] = dS K
@@ -272,7 +329,10 @@ if AVAILABLE:
                     else:  # dQ first: its epilogue below runs while dK is on the tensor cores
                         mbarrier.wait(ds_full.index(b), (j // 2) & 1)
                         dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-                        dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
+                        if KQ:
+                            dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
+                        else:
+                            dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
                         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
                     tma.store_wait(0)  # the previous block's reduce-add has read my_dq
                     my_dq.store(dq * scale)
@@ -301,7 +361,7 @@ if AVAILABLE:
     def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER, T,
                        HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr):
+                       ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr):
         HK = HQ // GROUP
         n_tiles = gl.num_programs(0) // HK
         prog = gl.load(ORDER + gl.program_id(0))  # launch order (program_order): head * n_tiles + tile
@@ -340,10 +400,10 @@ if AVAILABLE:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
                          MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, 0)),
+                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
                          MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, 1)),
+                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0,
                        first, count, hk, GROUP, BM, BN, D, STAGES, ROTATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -369,5 +429,5 @@ if AVAILABLE:
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
             dk, dv, lse2, delta, meta, tiles, members, order, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), DQ_FIRST=_dq_first(), num_warps=4, maxnreg=MAX_REGS,
+            ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", num_warps=4, maxnreg=MAX_REGS,
         )
