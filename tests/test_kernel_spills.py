@@ -73,22 +73,24 @@ def test_gluon_forward_compiles_without_spills():
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
 
 
-@pytest.mark.parametrize("rotate", [True, False])
-def test_gluon_backward_compiles_with_pipelined_wgmma(rotate):
-    """The Gluon backward compiles for sm_90a with either query-block order, both consumers'
-    block loops issuing their 32 wgmma each; spills in those loops stay at the measured level
-    (scalar bookkeeping, v9/v10 notes). A change that makes ptxas serialise the wgmma (a
-    wait after every one of them) would show as a wait after each of the 32."""
+@pytest.mark.parametrize("rotate,kq", [(True, 1), (False, 1), (True, 0)])
+def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq):
+    """The Gluon backward compiles for sm_90a with either query-block order and either score
+    orientation, both consumers' block loops issuing their 32 wgmma each; spills in those loops
+    stay at the measured level (scalar bookkeeping, v9/v10/v12 notes). A change that makes
+    ptxas serialise the wgmma (a wait after every one of them) would show as a wait after each
+    of the 32; v12's first key-major version had one extra wait, before dP^T (3 allowed + the
+    dQ-first variant's)."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     bm, bn, stages = gb.CONFIGS[128]
-    src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate)
+    src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate, KQ=kq)
     _, loops = kr.compile_report(src, 4, 1, maxnreg=gb.MAX_REGS)
     inner = _inner(loops)
     assert len(inner) == 2 and all(lp["hgmma"] == 32 for lp in inner), inner
     assert all(lp["ldl"] <= 40 and lp["stl"] <= 20 for lp in inner), inner
-    assert all(lp["wgmma_waits"] <= 8 for lp in inner), inner  # serialised: one per wgmma (32)
+    assert all(lp["wgmma_waits"] <= 3 for lp in inner), inner  # S/dP, dP/dV, all: 3
 
 
 def test_gluon_backward_env_choices_are_checked(monkeypatch):
@@ -102,6 +104,9 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
     monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", "2")
     with pytest.raises(ValueError, match="MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1"):
         gb._dq_first()
-    monkeypatch.delenv("MAGI_GLUON_BWD_ORDER")
-    monkeypatch.delenv("MAGI_GLUON_BWD_DQ_FIRST")
-    assert gb._order_mode() == "auto" and not gb._dq_first()  # the measured defaults
+    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "sq")
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SCORES must be 'qk' or 'kq'"):
+        gb._scores()
+    for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES"):
+        monkeypatch.delenv(name)
+    assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"  # the measured defaults

@@ -156,11 +156,11 @@ def test_gluon_backward_matches_dense(case, softcap, rotate, dq_first, order, mo
 @pytest.mark.parametrize("dq_first,order", [("0", "auto"), ("1", "tile")])
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_key_major_scores_match_dense(case, softcap, dq_first, order, monkeypatch):
-    """The Gluon backward with S^T = K Q^T (``MAGI_GLUON_BWD_SCORES=kq``: P^T and dS^T in
-    registers for dV and dK, the mask by per-key row bounds, S^T's accumulator starting at
-    -LSE) against the float64 reference and the Triton backward."""
-    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "kq")
+def test_gluon_backward_query_major_scores_match_dense(case, softcap, dq_first, order, monkeypatch):
+    """The Gluon backward with S = Q K^T (``MAGI_GLUON_BWD_SCORES=qk``, v9-v11's default: P and
+    dS through shared memory for dV and dK, the mask by per-row key bounds; the default is
+    S^T = K Q^T) against the float64 reference and the Triton backward."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")
     monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", order)
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)

@@ -91,10 +91,10 @@ def _dq_first() -> bool:
 
 
 def _scores() -> str:
-    """``MAGI_GLUON_BWD_SCORES=qk/kq`` (default qk): the orientation of the score matmuls.
+    """``MAGI_GLUON_BWD_SCORES=kq/qk`` (default kq): the orientation of the score matmuls.
     ``qk``: S = Q K^T, P and dS through shared memory to the dK/dV matmuls; ``kq``: S^T = K Q^T,
     P^T and dS^T stay in registers as the dK/dV matmuls' A operands (see ``_consumer``)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_SCORES", "qk")
+    raw = os.environ.get("MAGI_GLUON_BWD_SCORES", "kq")
     if raw not in ("qk", "kq"):
         raise ValueError(f"MAGI_GLUON_BWD_SCORES must be 'qk' or 'kq', got {raw!r}")
     return raw
@@ -163,10 +163,11 @@ if AVAILABLE:
                                                   src.handle)
 
     @gluon.jit
-    def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0, first,
-                count, hk, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, ROTATE: gl.constexpr):
+    def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
+                DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr):
         kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
+        stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0, hk * D], kv_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [n0, hk * D], kv_bar, v_smem)
@@ -177,18 +178,31 @@ if AVAILABLE:
             n_blocks, first_block = query_block_order(n0, q_lo, q_hi, BM, ROTATE)
             for g in range(GROUP):
                 col = (hk * GROUP + g) * D
+                head = (hk * GROUP + g).to(gl.int64) * T
                 for t in range(n_blocks):
                     mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
                     s = j % STAGES
+                    if KQ:  # the block's LSE and delta, loaded before the wait for the slot (latency)
+                        # (plain loads: TMA would need 16-byte aligned starts, and blocks start anywhere)
+                        idx = mb + gl.arange(0, BM, layout=stat_layout)
+                        ok = idx < T
+                        lse2 = gl.load(LSE2 + head + idx, mask=ok, other=0.0)
+                        delta = gl.load(DELTA + head + idx, mask=ok, other=0.0)
                     mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
                     mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(q_desc, [mb, col], q_bars.index(s), q_smem.index(s))
                     mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(do_desc, [mb, col], do_bars.index(s), do_smem.index(s))
+                    if KQ:  # to shared memory: Q's barrier's second arrival
+                        lse_smem.index(s).store(lse2)
+                        delta_smem.index(s).store(delta)
+                        gl.thread_barrier()
+                        mbarrier.arrive(q_bars.index(s))
                     j += 1
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA,
+    def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
+                  DK, DV, LSE2, DELTA,
                   META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
@@ -251,19 +265,20 @@ if AVAILABLE:
                     my_ds = ds_b.slice(PART * W, W, dim=0)
                     if KQ:
                         rows = mb + gl.arange(0, BM, layout=st_rows)
-                        rmask = rows < q_hi
-                        lse2 = gl.load(lse_row + rows, mask=rmask, other=0.0)
-                        # S^T starts at -LSE/scale, so that the row vector (16 registers here) is
-                        # dead once S^T is issued (nothing is in flight then; an initialised dP^T
-                        # accumulator would make ptxas wait for S^T before issuing it)
+                        # LSE and delta come from shared memory (put there by the loader), read where used:
+                        # 16 registers each in this layout, too many to keep live across the matmuls.
+                        # S^T starts at -LSE/scale, so that LSE is dead once S^T is issued (nothing is
+                        # in flight then; an initialised dP^T accumulator would make ptxas wait for S^T)
                         zero_st = gl.zeros([W, BM], gl.float32, st_layout)
-                        s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
                         mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                        lse2 = lse_smem.index(s).load(st_rows)
+                        s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
                         sc = warpgroup_mma(k_rows, q_s.permute((1, 0)), s_init, is_async=True)
                         mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
                         dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-                        delta = gl.load(delta_row + rows, mask=rmask, other=0.0)
                         sc = warpgroup_mma_wait(1, deps=(sc,))
+                        if HAS_SOFTCAP:
+                            lse2 = lse_smem.index(s).load(st_rows)
                         if HAS_SOFTCAP:
                             th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
                             p = gl.exp2(th * cap_out - lse2[None, :])
@@ -276,7 +291,7 @@ if AVAILABLE:
                         p_a = gl.convert_layout(p.to(dtype), a_layout)
                         dv = warpgroup_mma(p_a, do_s, dv, is_async=True)  # dV += P^T dO
                         dp = warpgroup_mma_wait(1, deps=(dp,))
-                        ds = p * (dp - delta[None, :])
+                        ds = p * (dp - delta_smem.index(s).load(st_rows)[None, :])
                         if HAS_SOFTCAP:
                             ds = ds * (1.0 - th * th)
                         ds_a = gl.convert_layout(ds.to(dtype), a_layout)
@@ -381,6 +396,9 @@ if AVAILABLE:
         p_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D // 2], dq_desc.layout)
+        stat_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)  # KQ only
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -389,7 +407,7 @@ if AVAILABLE:
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(STAGES):
-            mbarrier.init(q_bars.index(s), count=1)
+            mbarrier.init(q_bars.index(s), count=2 if KQ else 1)  # KQ: + the row statistics
             mbarrier.init(do_bars.index(s), count=1)
             mbarrier.init(empty_bars.index(s), count=2)  # one arrival per consumer warpgroup
         for s in gl.static_range(2):
@@ -398,14 +416,16 @@ if AVAILABLE:
         bars = (kv_bar, q_bars, do_bars, empty_bars, ds_full, ds_empty)
 
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
-                         MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, 0)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, p_smem, ds_smem, dq_smem, bars, dq_desc, DK, DV, LSE2, DELTA, META,
-                         MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D,
-                         STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, 1)),
-            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, bars, META, MEMBERS, n0,
-                       first, count, hk, GROUP, BM, BN, D, STAGES, ROTATE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
+                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
+                         qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
+                         KQ, 0)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
+                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
+                         qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
+                         KQ, 1)),
+            (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
+                       LSE2, DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP, BM, BN, D, STAGES, ROTATE, KQ)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def dq_descriptor(dq: torch.Tensor, rows: int) -> "TensorDescriptor":
