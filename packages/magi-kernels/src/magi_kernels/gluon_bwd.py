@@ -10,13 +10,15 @@ rows) that see its keys, starting at the tile's diagonal block and wrapping
 the same dQ rows at once. The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
-  a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot);
-* two consumer warpgroups (240 registers), each owning 64 of the tile's keys:
-  S = Q K^T and dP = dO V^T (issued together; FA3's orientation, so the row statistics take
-  2 registers), P and dS to shared memory, dV += P^T dO and dK += dS^T Q. The two warpgroups'
-  dS halves make the block's dS (double-buffered, mbarriers); each warpgroup then computes half
-  of dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global memory with a
-  TMA bulk reduce-add, which runs while the next block is computed.
+  a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
+  and (key-major scores) the block's LSE and delta rows into shared memory;
+* two consumer warpgroups (240 registers), each owning 64 of the tile's keys. By default
+  (``MAGI_GLUON_BWD_SCORES=kq``) S^T = K Q^T and dP^T = V dO^T (issued together), so P^T and
+  dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q (FA3's layout for
+  d=128); ``qk`` computes S = Q K^T and passes P and dS through shared memory. The two
+  warpgroups' dS halves make the block's dS (double-buffered, mbarriers); each warpgroup then
+  computes half of dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global
+  memory with a TMA bulk reduce-add, which runs while the next block is computed.
 
 Query rows of a partial block past the slice are loaded (TMA reads whatever lies there, zeros
 past the tensor's end) and get probability 0 and dS 0, so Q/dO must be finite everywhere (as
