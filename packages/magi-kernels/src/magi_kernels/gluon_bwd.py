@@ -279,9 +279,8 @@ if AVAILABLE:
                         mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
                         dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
                         sc = warpgroup_mma_wait(1, deps=(sc,))
-                        if HAS_SOFTCAP:
+                        if HAS_SOFTCAP:  # the cap applies to the raw score: LSE subtracted here
                             lse2 = lse_smem.index(s).load(st_rows)
-                        if HAS_SOFTCAP:
                             th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
                             p = gl.exp2(th * cap_out - lse2[None, :])
                         else:
