@@ -119,7 +119,7 @@ def loops(sass: str) -> list[dict]:
 
 
 def compile_report(src: ASTSource, warps: int, stages: int, **options) -> tuple[str, list[dict]]:
-    """(ptxas resource line, loops) of ``src`` compiled for sm_90a."""
+    """(ptxas resource line with the shared memory in bytes, loops) of ``src`` compiled for sm_90a."""
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=stages, **options))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -128,7 +128,7 @@ def compile_report(src: ASTSource, warps: int, stages: int, **options) -> tuple[
         usage = subprocess.run([triton_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([triton_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     regs = next(line.split()[:2] for line in usage.splitlines() if "REG:" in line)
-    return " ".join(regs), loops(sass)
+    return " ".join(regs) + f" SHARED:{kernel.metadata.shared}", loops(sass)
 
 
 def main(argv: list[str]) -> int:

@@ -67,7 +67,7 @@ def test_gluon_forward_compiles_without_spills():
     bm, bn, stages, parts, ping = gf.CONFIGS[128]
     regs, loops = kr.compile_report(kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping)),
                                     8 // parts, 1, maxnreg=gf.MAX_REGS)
-    assert regs.endswith("STACK:0"), regs
+    assert "STACK:0" in regs.split(), regs
     inner = _inner(loops)
     assert len(inner) == parts, inner  # one block loop per consumer partition
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner

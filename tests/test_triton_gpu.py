@@ -166,6 +166,24 @@ def test_gluon_backward_query_major_scores_match_dense(case, softcap, dq_first, 
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
 
 
+def _other_ring_depths() -> list[str]:
+    """Gluon backward configs (BM,BN,STAGES) of the Q/dO ring depths other than the default."""
+    from magi_kernels.gluon_bwd import CONFIGS
+
+    bm, bn, stages = CONFIGS[128]
+    return [f"{bm},{bn},{s}" for s in (2, 3) if s != stages]
+
+
+@pytest.mark.parametrize("cfg", _other_ring_depths())
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+def test_gluon_backward_ring_depth_matches_dense(case, softcap, cfg, monkeypatch):
+    """The Gluon backward with the Q/dO ring depth that is not the default (a ring slot is
+    reused at a different block distance: a wrong phase or an early release shows here)."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_CFG", cfg)
+    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
+
+
 @pytest.mark.parametrize("order", ["2", "4", "tile"])
 @pytest.mark.parametrize("case", ["ragged_big", "causal"])
 def test_gluon_backward_banded_launch_orders_match_dense(case, order, monkeypatch):

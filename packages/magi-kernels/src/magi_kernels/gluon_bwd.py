@@ -242,7 +242,6 @@ if AVAILABLE:
         k_rows = k_smem.slice(PART * W, W, dim=0)
         v_rows = v_smem.slice(PART * W, W, dim=0)
         k_cols = k_smem.slice(PART * DH, DH, dim=1)
-        my_p = p_smem.index(PART)  # [W, BM]: P^T of this warpgroup's keys
         my_dq = dq_smem.index(PART)
         dk = gl.zeros([W, D], gl.float32, kv_layout)
         dv = gl.zeros([W, D], gl.float32, kv_layout)
@@ -255,8 +254,9 @@ if AVAILABLE:
             n_blocks, first_block = query_block_order(n0, q_lo, q_hi, BM, ROTATE)
             for g in range(GROUP):
                 h = hk * GROUP + g
-                lse_row = LSE2 + h.to(gl.int64) * T
-                delta_row = DELTA + h.to(gl.int64) * T
+                if not KQ:  # (KQ: the loader puts the row statistics into shared memory)
+                    lse_row = LSE2 + h.to(gl.int64) * T
+                    delta_row = DELTA + h.to(gl.int64) * T
                 for t in range(n_blocks):
                     mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
                     s = j % STAGES
@@ -321,6 +321,7 @@ if AVAILABLE:
                             keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
                             vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
                             p = gl.where(vis, p, 0.0)
+                        my_p = p_smem.index(PART)  # [W, BM]: P^T of this warpgroup's keys
                         my_p.permute((1, 0)).store(p.to(dtype))
                         fence_async_shared()
                         dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
@@ -394,7 +395,10 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
+        if KQ:  # P^T stays in registers: no buffer (its 16 KB make room for a third Q/dO stage)
+            p_smem = gl.allocate_shared_memory(dtype, [1, 16, 16], ds_layout)
+        else:
+            p_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D // 2], dq_desc.layout)
         stat_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
