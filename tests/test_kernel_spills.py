@@ -85,8 +85,10 @@ def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq):
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     bm, bn, stages = gb.CONFIGS[128]
+    stages = stages if kq else min(stages, gb.QUERY_MAJOR_STAGES)
     src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate, KQ=kq)
-    _, loops = kr.compile_report(src, 4, 1, maxnreg=gb.MAX_REGS)
+    regs, loops = kr.compile_report(src, 4, 1, maxnreg=gb.MAX_REGS)
+    assert int(regs.split("SHARED:")[1]) <= 227 * 1024, regs  # the sm90 limit per block
     inner = _inner(loops)
     assert len(inner) == 2 and all(lp["hgmma"] == 32 for lp in inner), inner
     assert all(lp["ldl"] <= 40 and lp["stl"] <= 20 for lp in inner), inner
@@ -110,3 +112,6 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
     for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES"):
         monkeypatch.delenv(name)
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"  # the measured defaults
+    assert gb._config(128)[2] == gb.CONFIGS[128][2]
+    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
+    assert gb._config(128)[2] == min(gb.CONFIGS[128][2], gb.QUERY_MAJOR_STAGES)
