@@ -54,6 +54,7 @@ if AVAILABLE:
         LOADER_REGS,
         descriptor,
         fence_async_shared,
+        shared_layout,
         gl,
         gluon,
         load_slice,
@@ -445,8 +446,7 @@ if AVAILABLE:
         rows x d/2 (one warpgroup's half of a block)."""
         flat = dq.view(dq.shape[0], -1)
         box = [rows, dq.shape[-1] // 2]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float32)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, shared_layout(*box, dq.dtype))
 
     def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
                softcap, accum):

@@ -6,6 +6,7 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 
 import torch
@@ -51,9 +52,16 @@ if AVAILABLE:
         return (gl.load(META + sid * 5 + 0), gl.load(META + sid * 5 + 1), gl.load(META + sid * 5 + 2),
                 gl.load(META + sid * 5 + 3), (t & 2) != 0, (t & 1) != 0)
 
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+    @functools.lru_cache(maxsize=None)
+    def shared_layout(rows: int, cols: int, dtype: torch.dtype) -> "gl.NVMMASharedLayout":
+        """The default NVMMA shared layout of a rows x cols box (memoised: building it runs
+        Triton's constexpr machinery, about half of a descriptor's host cost per launch)."""
+        return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
+
     def descriptor(x: torch.Tensor, rows: int) -> "TensorDescriptor":
         """TMA descriptor over a [tokens, heads, d] tensor as [tokens, heads*d], box rows x d."""
         flat = x.view(x.shape[0], -1)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[-1]], gl.bfloat16 if x.dtype == torch.bfloat16
-                                                      else gl.float16)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]], layout)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]],
+                                shared_layout(rows, x.shape[-1], x.dtype))
