@@ -84,8 +84,7 @@ def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq):
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    bm, bn, stages = gb.CONFIGS[128]
-    stages = stages if kq else min(stages, gb.QUERY_MAJOR_STAGES)
+    bm, bn, stages = gb.default_config(128, bool(kq))
     src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate, KQ=kq)
     regs, loops = kr.compile_report(src, 4, 1, maxnreg=gb.MAX_REGS)
     assert int(regs.split("SHARED:")[1]) <= 227 * 1024, regs  # the sm90 limit per block

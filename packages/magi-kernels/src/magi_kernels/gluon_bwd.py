@@ -70,17 +70,21 @@ if AVAILABLE:
 CONFIGS = {128: (64, 128, 3)}
 QUERY_MAJOR_STAGES = 2  # MAGI_GLUON_BWD_SCORES=qk: its P buffer (16 KB) leaves room for 2 stages
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
-__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "key_tile_size", "launch", "supported"]
+__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "default_config", "key_tile_size", "launch", "supported"]
+
+
+def default_config(d: int, key_major: bool) -> tuple[int, int, int]:
+    """The tuned (BM, BN, STAGES) for head dim ``d`` in either score orientation."""
+    bm, bn, stages = CONFIGS[d]
+    return bm, bn, stages if key_major else min(stages, QUERY_MAJOR_STAGES)
 
 
 def _config(d: int) -> tuple[int, int, int]:
     """``MAGI_GLUON_BWD_CFG=BM,BN,STAGES`` overrides the tuned config (tuning runs; a config
     that needs more shared memory than the GPU has fails at launch with Triton's
     "out of resource: shared memory")."""
-    bm, bn, stages = CONFIGS[d]
-    if _scores() == "qk":
-        stages = min(stages, QUERY_MAJOR_STAGES)
-    return env_config("MAGI_GLUON_BWD_CFG", (bm, bn, stages), "BM,BN,STAGES")  # type: ignore[return-value]
+    return env_config("MAGI_GLUON_BWD_CFG", default_config(d, _scores() == "kq"),  # type: ignore[return-value]
+                      "BM,BN,STAGES")
 
 
 def _rotate() -> bool:
