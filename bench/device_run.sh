@@ -56,15 +56,18 @@ fi
 has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
   > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
 if has ncu; then
+  # NCU_WALKS: MAGI_GLUON_BWD_WALK values to profile; all reports go to one file (8 files come back at most)
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "ncu: not installed"; else
-    for S in ${NCU_SEQLENS:-16384 32768}; do for M in ${NCU_MASKS:-full}; do
-      timeout ${NCU_TIMEOUT:-120} $NCU -k regex:bwd_ws -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
-        python3 bench/bwd_timing_check.py --seqlen $S --masks $M --windows-ms 1 --rounds 1 \
-        > $OUT/ncu_${M}_$S.txt 2>&1
-      grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issue Slots Busy" $OUT/ncu_${M}_$S.txt | head -14
-    done; done
+    for S in ${NCU_SEQLENS:-16384 32768}; do for M in ${NCU_MASKS:-full}; do for W in ${NCU_WALKS:-head}; do
+      echo "=== ncu $M $S walk=$W" | tee -a $OUT/ncu.txt
+      MAGI_GLUON_BWD_WALK=$W timeout ${NCU_TIMEOUT:-120} $NCU -k regex:bwd_ws -c 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section LaunchStats python3 bench/bwd_timing_check.py --seqlen $S --masks $M --windows-ms 1 --rounds 1 \
+        > /tmp/ncu_run.txt 2>&1
+      cat /tmp/ncu_run.txt >> $OUT/ncu.txt
+      grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issue Slots Busy" /tmp/ncu_run.txt | head -14
+    done; done; done
   fi
 fi
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1

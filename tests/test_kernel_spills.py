@@ -108,7 +108,12 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
     monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "sq")
     with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SCORES must be 'qk' or 'kq'"):
         gb._scores()
-    for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES"):
+    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "rows")
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_WALK must be one of head, block"):
+        gb._walk()
+    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
+    assert gb._walk() == (True, True)
+    for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES", "MAGI_GLUON_BWD_WALK"):
         monkeypatch.delenv(name)
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"  # the measured defaults
     assert gb._config(128)[2] == gb.CONFIGS[128][2]

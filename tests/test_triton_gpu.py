@@ -184,6 +184,17 @@ def test_gluon_backward_ring_depth_matches_dense(case, softcap, cfg, monkeypatch
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
 
 
+@pytest.mark.parametrize("walk,softcap", [("head", 0.0), ("block", 0.0), ("head_rev", 0.0), ("block_rev", 0.0),
+                                          ("block_rev", 4.0)])
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+def test_gluon_backward_walks_match_dense(case, walk, softcap, monkeypatch):
+    """Each order of a key tile's (query head, query block) steps (``MAGI_GLUON_BWD_WALK``,
+    whichever is the default): the blocks mirrored or the heads inner, each slice's tiles
+    starting at staggered blocks and heads, must still visit every block of every head once."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", walk)
+    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
+
+
 @pytest.mark.parametrize("order", ["2", "4", "tile"])
 @pytest.mark.parametrize("case", ["ragged_big", "causal"])
 def test_gluon_backward_banded_launch_orders_match_dense(case, order, monkeypatch):

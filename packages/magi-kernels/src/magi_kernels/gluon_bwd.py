@@ -48,7 +48,7 @@ if AVAILABLE:
         AVAILABLE = False
 
 if AVAILABLE:
-    from .epilogue_jit import key_row_bounds, key_tile_rows, query_block_order, query_block_row, row_bounds
+    from .epilogue_jit import key_row_bounds, key_tile_rows, row_bounds, walk_start, walk_step
     from .gluon_common import (
         CONSUMER_REGS,
         LOADER_REGS,
@@ -102,6 +102,21 @@ def _dq_first() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+WALKS = ("head", "block", "head_rev", "block_rev")
+
+
+def _walk() -> tuple[bool, bool]:
+    """``MAGI_GLUON_BWD_WALK=head/block/head_rev/block_rev`` (default head): the order of a key
+    tile's (query head, query block) steps (``epilogue_jit.walk_step``), as (block walk,
+    reversed). ``head``: every block of one head of the GQA group, then the next head;
+    ``block``: every head of one block, then the next block; ``_rev``: the blocks mirrored (a
+    causal tile from its last rows back to its diagonal)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_WALK", "head")
+    if raw not in WALKS:
+        raise ValueError(f"MAGI_GLUON_BWD_WALK must be one of {', '.join(WALKS)}, got {raw!r}")
+    return raw.startswith("block"), raw.endswith("_rev")
 
 
 def _scores() -> str:
@@ -179,7 +194,8 @@ if AVAILABLE:
     @gluon.jit
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
                 DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP: gl.constexpr, BM: gl.constexpr,
-                BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr):
+                BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr,
+                BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr):
         kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
         stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
@@ -189,12 +205,12 @@ if AVAILABLE:
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, _f_lo, _f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
-            n_blocks, first_block = query_block_order(n0, q_lo, q_hi, BM, ROTATE)
-            for g in range(GROUP):
-                col = (hk * GROUP + g) * D
-                head = (hk * GROUP + g).to(gl.int64) * T
-                for t in range(n_blocks):
-                    mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
+            n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
+            for o in range(n_blocks if BLOCK_WALK else GROUP):
+                for u in range(GROUP if BLOCK_WALK else n_blocks):
+                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
+                    col = (hk * GROUP + g) * D
+                    head = (hk * GROUP + g).to(gl.int64) * T
                     s = j % STAGES
                     if KQ:  # the block's LSE and delta, loaded before the wait for the slot (latency)
                         # (plain loads: TMA would need 16-byte aligned starts, and blocks start anywhere)
@@ -220,7 +236,7 @@ if AVAILABLE:
                   META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
-                  KQ: gl.constexpr, PART: gl.constexpr):
+                  KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -263,14 +279,11 @@ if AVAILABLE:
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
-            n_blocks, first_block = query_block_order(n0, q_lo, q_hi, BM, ROTATE)
-            for g in range(GROUP):
-                h = hk * GROUP + g
-                if not KQ:  # (KQ: the loader puts the row statistics into shared memory)
-                    lse_row = LSE2 + h.to(gl.int64) * T
-                    delta_row = DELTA + h.to(gl.int64) * T
-                for t in range(n_blocks):
-                    mb = query_block_row(t, n_blocks, first_block, q_lo, BM)
+            n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
+            for o in range(n_blocks if BLOCK_WALK else GROUP):
+                for u in range(GROUP if BLOCK_WALK else n_blocks):
+                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
+                    h = hk * GROUP + g
                     s = j % STAGES
                     q_s = q_smem.index(s)
                     do_s = do_smem.index(s)
@@ -315,8 +328,8 @@ if AVAILABLE:
                     else:
                         rows = mb + gl.arange(0, BM, layout=row_layout)
                         rmask = rows < q_hi
-                        lse2 = gl.load(lse_row + rows, mask=rmask, other=0.0)
-                        delta = gl.load(delta_row + rows, mask=rmask, other=0.0)
+                        lse2 = gl.load(LSE2 + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
+                        delta = gl.load(DELTA + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
                         zero_s = gl.zeros([BM, W], gl.float32, s_layout)
                         mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
                         sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -390,7 +403,8 @@ if AVAILABLE:
     def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER, T,
                        HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr):
+                       ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
+                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr):
         HK = HQ // GROUP
         n_tiles = gl.num_programs(0) // HK
         prog = gl.load(ORDER + gl.program_id(0))  # launch order (program_order): head * n_tiles + tile
@@ -436,13 +450,14 @@ if AVAILABLE:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
                          qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
-                         KQ, 0)),
+                         KQ, BLOCK_WALK, REVERSE, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
                          qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
-                         KQ, 1)),
+                         KQ, BLOCK_WALK, REVERSE, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
-                       LSE2, DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP, BM, BN, D, STAGES, ROTATE, KQ)),
+                       LSE2, DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP, BM, BN, D, STAGES, ROTATE, KQ,
+                       BLOCK_WALK, REVERSE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def dq_descriptor(dq: torch.Tensor, rows: int) -> "TensorDescriptor":
@@ -461,9 +476,11 @@ if AVAILABLE:
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
         order = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, q.device)
+        block_walk, reverse = _walk()
         _bwd_ws_kernel[(len(work) * hk,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
             dk, dv, lse2, delta, meta, tiles, members, order, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", num_warps=4, maxnreg=MAX_REGS,
+            ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
+            REVERSE=reverse, num_warps=4, maxnreg=MAX_REGS,
         )
