@@ -47,3 +47,27 @@ def test_kernel_bench_interleaves_rounds_and_takes_medians():
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rounds start at a, b, c
     # timings (base x 1, 2 or 3 by call number): a 1, 3, 2; b 4, 2, 6; c 9, 6, 3: the medians
     assert out == {"a": 2.0, "b": 4.0, "c": 6.0}
+
+
+def test_backward_trace_summary_splits_sm_time_and_fits_steps():
+    """bwd_trace.summarize on a hand-made launch: 2 SMs over 100 ns; SM 0 runs programs of
+    10 and 20 steps back to back from 0 to 70 (tail 30), SM 1 runs one of 30 steps from 10 to
+    100 (head 10), so busy is 160/200; durations 25, 45, 90 for 10, 20, 30 steps are not on
+    one line, and the fit is the least-squares one."""
+    import numpy as np
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        import bwd_trace
+    finally:
+        sys.path.pop(0)
+    record = [(0, 0, 0, 25), (1, 0, 25, 70), (2, 1, 10, 100)]
+    s = bwd_trace.summarize(record, [10, 20, 30])
+    assert s["span_us"] == 0.1 and s["sms"] == 2 and s["programs"] == 3
+    assert (s["busy"], s["head_idle"], s["tail_idle"], s["gaps"]) == (0.8, 0.05, 0.15, 0.0)
+    b, a = np.polyfit([10, 20, 30], [25, 45, 90], 1)
+    assert s["per_step_us"] == round(b / 1e3, 4) and s["per_program_overhead_us"] == round(a / 1e3, 2)
+    assert bwd_trace.steps_per_program([64, 100], 2, 3, 64) == [3, 6, 3, 6]
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_TRACE=1"):
+        bwd_trace.summarize([], [])

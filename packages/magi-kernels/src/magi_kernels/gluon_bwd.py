@@ -119,6 +119,16 @@ def _walk() -> tuple[bool, bool]:
     return raw.startswith("block"), raw.endswith("_rev")
 
 
+def _trace() -> bool:
+    """``MAGI_GLUON_BWD_TRACE=1``: each launch records every program's SM and start/end
+    ``%globaltimer`` into ``last_trace`` (a profiling aid for ``bench/bwd_trace.py``; one int64
+    store per program, off by default)."""
+    return os.environ.get("MAGI_GLUON_BWD_TRACE", "0") == "1"
+
+
+last_trace: dict | None = None  # MAGI_GLUON_BWD_TRACE=1: the last launch's per-program record
+
+
 def _scores() -> str:
     """``MAGI_GLUON_BWD_SCORES=kq/qk`` (default kq): the orientation of the score matmuls.
     ``qk``: S = Q K^T, P and dS through shared memory to the dK/dV matmuls; ``kq``: S^T = K Q^T,
@@ -404,7 +414,9 @@ if AVAILABLE:
                        HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
-                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr):
+                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, TRACE: gl.constexpr, TRACE_BUF):
+        if TRACE:
+            t_start = _globaltimer()
         HK = HQ // GROUP
         n_tiles = gl.num_programs(0) // HK
         prog = gl.load(ORDER + gl.program_id(0))  # launch order (program_order): head * n_tiles + tile
@@ -459,6 +471,21 @@ if AVAILABLE:
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP, BM, BN, D, STAGES, ROTATE, KQ,
                        BLOCK_WALK, REVERSE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        if TRACE:  # (program, SM, start ns, end ns): the default partition is done with its keys here
+            rec = TRACE_BUF + gl.program_id(0).to(gl.int64) * 4
+            gl.store(rec, prog.to(gl.int64))
+            gl.store(rec + 1, _smid().to(gl.int64))
+            gl.store(rec + 2, t_start)
+            gl.store(rec + 3, _globaltimer())
+
+    @gluon.jit
+    def _globaltimer():
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _smid():
+        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
 
     def dq_descriptor(dq: torch.Tensor, rows: int) -> "TensorDescriptor":
         """TMA descriptor of the fp32 dQ accumulator [tokens, heads, d] for the reduce-adds: box
@@ -477,10 +504,15 @@ if AVAILABLE:
         BM, BN, stages = _config(d)
         order = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, q.device)
         block_walk, reverse = _walk()
+        trace = _trace()
+        trace_buf = torch.zeros(len(work) * hk, 4, dtype=torch.int64, device=q.device) if trace else dq
         _bwd_ws_kernel[(len(work) * hk,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
             dk, dv, lse2, delta, meta, tiles, members, order, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, num_warps=4, maxnreg=MAX_REGS,
+            REVERSE=reverse, TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
         )
+        if trace:
+            global last_trace
+            last_trace = {"record": trace_buf, "work": work, "n_kv_heads": hk, "block_rows": BM}
