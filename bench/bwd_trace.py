@@ -88,6 +88,7 @@ def main() -> int:
     p.add_argument("--masks", nargs="+", default=["full", "causal"])
     p.add_argument("--out", default=None, help="JSON with the summaries and the raw records")
     p.add_argument("--plot", default=None, help="Gantt chart of the launches (png)")
+    p.add_argument("--variant", default="default", help="label of the run (e.g. the MAGI_* setting it ran under)")
     args = p.parse_args()
     os.environ["MAGI_GLUON_BWD_TRACE"] = "1"
     hq, hk, d, S = 48, 8, 128, args.seqlen
@@ -107,7 +108,7 @@ def main() -> int:
             raise RuntimeError("the backward did not run the Gluon kernel (sm90 and d=128 needed)")
         rec = tr["record"].cpu().tolist()
         steps = steps_per_program(tr["work"], tr["n_kv_heads"], hq // hk, tr["block_rows"])
-        summary = {"mask": mask, "seqlen": S, "walk": os.environ.get("MAGI_GLUON_BWD_WALK", "default"),
+        summary = {"mask": mask, "seqlen": S, "variant": args.variant,
                    **summarize(rec, steps)}
         print(json.dumps(summary), flush=True)
         traces[mask] = {"summary": summary, "record": rec, "n_tiles": len(tr["work"])}

@@ -8,8 +8,8 @@
 #   ncu    Nsight Compute report of one Gluon backward launch (NCU_SEQLENS, NCU_MASKS), if ncu is there
 #   timing the backward timed through autograd and directly, short and long windows (bench/bwd_timing_check.py)
 #   trace  per-program trace of one Gluon backward launch (bench/bwd_trace.py; TRACE_SEQLENS, TRACE_MASKS,
-#          TRACE_WALKS): summaries in trace.jsonl, the raw records in trace_records.tgz, Gantt charts of the
-#          first walk
+#          TRACE_VARIANTS: "default" or VAR=value each): summaries in trace.jsonl, the raw records in
+#          trace_records.tgz, Gantt charts of the first variant
 # Results and logs under $OUT (gpu_clocks.csv: SM clock/power/temperature through the call).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
@@ -60,15 +60,15 @@ has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py -
   > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
 if has trace; then
   mkdir -p /tmp/traces
-  for S in ${TRACE_SEQLENS:-16384}; do for W in ${TRACE_WALKS:-head}; do
-    PLOT=""; [ "$W" = "${TRACE_WALKS%% *}" ] && PLOT="--plot $OUT/trace_${S}.png"
-    MAGI_GLUON_BWD_WALK=$W timeout ${TRACE_TIMEOUT:-120} python3 bench/bwd_trace.py --seqlen $S \
-      --masks ${TRACE_MASKS:-full causal} --out /tmp/traces/trace_${S}_$W.json $PLOT >> $OUT/trace.jsonl 2>> /tmp/trace.err \
-      || tail -3 /tmp/trace.err
+  for S in ${TRACE_SEQLENS:-16384}; do for V in ${TRACE_VARIANTS:-default}; do
+    PLOT=""; [ "$V" = "${TRACE_VARIANTS%% *}" ] && PLOT="--plot $OUT/trace_${S}.png"
+    ( [ "$V" != default ] && export "$V"; timeout ${TRACE_TIMEOUT:-120} python3 bench/bwd_trace.py --seqlen $S \
+      --masks ${TRACE_MASKS:-full causal} --variant "$V" --out /tmp/traces/trace_${S}_${V//[^A-Za-z0-9_]/_}.json \
+      $PLOT >> $OUT/trace.jsonl 2>> /tmp/trace.err ) || tail -3 /tmp/trace.err
   done; done
   tar czf $OUT/trace_records.tgz -C /tmp traces
   python3 -c "import json
-for l in open('$OUT/trace.jsonl'): r=json.loads(l); print(r['seqlen'], r['mask'][:14].ljust(14), r['walk'].ljust(9), 'span', r['span_us'], 'busy', r['busy'], 'head', r['head_idle'], 'tail', r['tail_idle'], 'gaps', r['gaps'], 'us/step', r['per_step_us'], 'overhead us', r['per_program_overhead_us'])"
+for l in open('$OUT/trace.jsonl'): r=json.loads(l); print(r['seqlen'], r['mask'][:14].ljust(14), r['variant'][14:].ljust(14), 'span', r['span_us'], 'busy', r['busy'], 'head', r['head_idle'], 'tail', r['tail_idle'], 'gaps', r['gaps'], 'us/step', r['per_step_us'], 'overhead us', r['per_program_overhead_us'])"
 fi
 if has ncu; then
   # NCU_WALKS: MAGI_GLUON_BWD_WALK values to profile; all reports go to one file (8 files come back at most)
