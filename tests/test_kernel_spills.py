@@ -113,13 +113,6 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
         gb._walk()
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
     assert gb._walk() == (True, True)
-    monkeypatch.setenv("MAGI_GLUON_BWD_CHUNK", "-1")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_CHUNK must be 'auto' or a number"):
-        gb._chunk((1, 2))
-    monkeypatch.setenv("MAGI_GLUON_BWD_CHUNK", "16")
-    assert gb._chunk((1, 2)) == 16
-    monkeypatch.delenv("MAGI_GLUON_BWD_CHUNK")  # auto: chunks only where the tiles' work differs
-    assert gb._chunk((64, 64)) == 0 and gb._chunk((128, 64)) == gb.CHUNK_UNEQUAL_TILES
     for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES", "MAGI_GLUON_BWD_WALK"):
         monkeypatch.delenv(name)
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"  # the measured defaults

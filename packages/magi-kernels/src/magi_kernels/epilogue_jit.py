@@ -89,33 +89,22 @@ if AVAILABLE:
             return n_blocks, zero, zero
 
     @triton.jit
-    def walk_chunk(n_blocks, CHUNK: tl.constexpr):
-        """Blocks per chunk of a head walk (see walk_step): ``CHUNK``, or all of them when 0."""
-        if CHUNK == 0:
-            return tl.maximum(n_blocks, 1)
-        else:
-            return n_blocks * 0 + CHUNK
-
-    @triton.jit
-    def walk_step(c0, o, u, n_blocks, first, q_lo, rot, GROUP: tl.constexpr, BM: tl.constexpr,
+    def walk_step(o, u, n_blocks, first, q_lo, rot, GROUP: tl.constexpr, BM: tl.constexpr,
                   BLOCK_WALK: tl.constexpr, REVERSE: tl.constexpr):
-        """(query head within the GQA group, first query row) of step (o, u) of the chunk that
-        starts at block c0 of a key tile's walk over GROUP heads x n_blocks query blocks, for
-        loops ``for c0 in range(0, n_blocks, chunk): for o in range(n if BLOCK_WALK else GROUP):
-        for u in range(GROUP if BLOCK_WALK else n)`` (n: the chunk's blocks, chunk: walk_chunk).
+        """(query head within the GQA group, first query row) of step (o, u) of a key tile's walk
+        over GROUP heads x n_blocks query blocks, for loops ``for o in range(n_blocks if
+        BLOCK_WALK else GROUP): for u in range(GROUP if BLOCK_WALK else n_blocks)``.
 
-        Head walk (``BLOCK_WALK`` false): every block of the chunk for one head, then the next
-        head, then the next chunk. Chunks keep the resident tiles of a causal mask, whose
-        lengths differ, on the same head: without them a short tile moves on to the next head
-        while its neighbours are still on the last one, and the tiles no longer share their
-        Q/dO rows in L2. Block walk (one chunk): every head of one block, then the next block,
-        the heads starting at ``rot``. ``REVERSE`` mirrors the blocks, ``first`` counting from
-        the last one (a causal tile from its last rows back to its diagonal)."""
+        Head walk (``BLOCK_WALK`` false): every block of one head, then the next head. Block
+        walk: every head of one block, then the next block, the heads starting at ``rot``.
+        ``REVERSE`` mirrors the blocks, ``first`` counting from the last one: a causal tile walks
+        from its last rows back to its diagonal, so that tiles of different lengths meet the
+        same rows at the same time."""
         if BLOCK_WALK:
-            t = c0 + o
+            t = o
             g = (u + rot) % GROUP
         else:
-            t = c0 + u
+            t = u
             g = o
         idx = (t + first) % n_blocks
         if REVERSE:

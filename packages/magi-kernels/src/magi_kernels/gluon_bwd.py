@@ -48,7 +48,7 @@ if AVAILABLE:
         AVAILABLE = False
 
 if AVAILABLE:
-    from .epilogue_jit import key_row_bounds, key_tile_rows, row_bounds, walk_chunk, walk_start, walk_step
+    from .epilogue_jit import key_row_bounds, key_tile_rows, row_bounds, walk_start, walk_step
     from .gluon_common import (
         CONSUMER_REGS,
         LOADER_REGS,
@@ -117,21 +117,6 @@ def _walk() -> tuple[bool, bool]:
     if raw not in WALKS:
         raise ValueError(f"MAGI_GLUON_BWD_WALK must be one of {', '.join(WALKS)}, got {raw!r}")
     return raw.startswith("block"), raw.endswith("_rev")
-
-
-CHUNK_UNEQUAL_TILES = 32  # MAGI_GLUON_BWD_CHUNK=auto where the key tiles' work differs
-
-
-def _chunk(work: tuple[int, ...]) -> int:
-    """``MAGI_GLUON_BWD_CHUNK=auto/0/<blocks>`` (default auto): query blocks per chunk of the
-    head walk (``epilogue_jit.walk_step``; 0: one chunk). auto: 0 where every key tile has the
-    same work (their walks stay in step by themselves), else ``CHUNK_UNEQUAL_TILES``."""
-    raw = os.environ.get("MAGI_GLUON_BWD_CHUNK", "auto")
-    if raw == "auto":
-        return 0 if min(work, default=0) == max(work, default=0) else CHUNK_UNEQUAL_TILES
-    if not raw.isdigit():
-        raise ValueError(f"MAGI_GLUON_BWD_CHUNK must be 'auto' or a number of query blocks (0: none), got {raw!r}")
-    return int(raw)
 
 
 def _trace() -> bool:
@@ -220,7 +205,7 @@ if AVAILABLE:
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
                 DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP: gl.constexpr, BM: gl.constexpr,
                 BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr,
-                BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, CHUNK: gl.constexpr):
+                BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr):
         kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
         stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
@@ -231,32 +216,29 @@ if AVAILABLE:
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, _f_lo, _f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
             n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
-            chunk = walk_chunk(n_blocks, CHUNK)
-            for c0 in range(0, n_blocks, chunk):
-                c_n = gl.minimum(chunk, n_blocks - c0)
-                for o in range(c_n if BLOCK_WALK else GROUP):
-                    for u in range(GROUP if BLOCK_WALK else c_n):
-                        g, mb = walk_step(c0, o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
-                        col = (hk * GROUP + g) * D
-                        head = (hk * GROUP + g).to(gl.int64) * T
-                        s = j % STAGES
-                        if KQ:  # the block's LSE and delta, loaded before the wait for the slot (latency)
-                            # (plain loads: TMA would need 16-byte aligned starts, and blocks start anywhere)
-                            idx = mb + gl.arange(0, BM, layout=stat_layout)
-                            ok = idx < T
-                            lse2 = gl.load(LSE2 + head + idx, mask=ok, other=0.0)
-                            delta = gl.load(DELTA + head + idx, mask=ok, other=0.0)
-                        mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
-                        mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(q_desc, [mb, col], q_bars.index(s), q_smem.index(s))
-                        mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(do_desc, [mb, col], do_bars.index(s), do_smem.index(s))
-                        if KQ:  # to shared memory: Q's barrier's second arrival
-                            lse_smem.index(s).store(lse2)
-                            delta_smem.index(s).store(delta)
-                            gl.thread_barrier()
-                            mbarrier.arrive(q_bars.index(s))
-                        j += 1
+            for o in range(n_blocks if BLOCK_WALK else GROUP):
+                for u in range(GROUP if BLOCK_WALK else n_blocks):
+                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
+                    col = (hk * GROUP + g) * D
+                    head = (hk * GROUP + g).to(gl.int64) * T
+                    s = j % STAGES
+                    if KQ:  # the block's LSE and delta, loaded before the wait for the slot (latency)
+                        # (plain loads: TMA would need 16-byte aligned starts, and blocks start anywhere)
+                        idx = mb + gl.arange(0, BM, layout=stat_layout)
+                        ok = idx < T
+                        lse2 = gl.load(LSE2 + head + idx, mask=ok, other=0.0)
+                        delta = gl.load(DELTA + head + idx, mask=ok, other=0.0)
+                    mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
+                    mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [mb, col], q_bars.index(s), q_smem.index(s))
+                    mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(do_desc, [mb, col], do_bars.index(s), do_smem.index(s))
+                    if KQ:  # to shared memory: Q's barrier's second arrival
+                        lse_smem.index(s).store(lse2)
+                        delta_smem.index(s).store(delta)
+                        gl.thread_barrier()
+                        mbarrier.arrive(q_bars.index(s))
+                    j += 1
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
@@ -264,8 +246,7 @@ if AVAILABLE:
                   META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
-                  KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, CHUNK: gl.constexpr,
-                  PART: gl.constexpr):
+                  KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -309,114 +290,111 @@ if AVAILABLE:
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
             n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
-            chunk = walk_chunk(n_blocks, CHUNK)
-            for c0 in range(0, n_blocks, chunk):
-                c_n = gl.minimum(chunk, n_blocks - c0)
-                for o in range(c_n if BLOCK_WALK else GROUP):
-                    for u in range(GROUP if BLOCK_WALK else c_n):
-                        g, mb = walk_step(c0, o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
-                        h = hk * GROUP + g
-                        s = j % STAGES
-                        q_s = q_smem.index(s)
-                        do_s = do_smem.index(s)
-                        b = j % 2
-                        ds_b = ds_smem.index(b)  # [BN, BM]: the block's dS^T, both warpgroups' halves
-                        my_ds = ds_b.slice(PART * W, W, dim=0)
-                        if KQ:
-                            rows = mb + gl.arange(0, BM, layout=st_rows)
-                            # LSE and delta come from shared memory (put there by the loader), read where used:
-                            # 16 registers each in this layout, too many to keep live across the matmuls.
-                            # S^T starts at -LSE/scale, so that LSE is dead once S^T is issued (nothing is
-                            # in flight then; an initialised dP^T accumulator would make ptxas wait for S^T)
-                            zero_st = gl.zeros([W, BM], gl.float32, st_layout)
-                            mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+            for o in range(n_blocks if BLOCK_WALK else GROUP):
+                for u in range(GROUP if BLOCK_WALK else n_blocks):
+                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
+                    h = hk * GROUP + g
+                    s = j % STAGES
+                    q_s = q_smem.index(s)
+                    do_s = do_smem.index(s)
+                    b = j % 2
+                    ds_b = ds_smem.index(b)  # [BN, BM]: the block's dS^T, both warpgroups' halves
+                    my_ds = ds_b.slice(PART * W, W, dim=0)
+                    if KQ:
+                        rows = mb + gl.arange(0, BM, layout=st_rows)
+                        # LSE and delta come from shared memory (put there by the loader), read where used:
+                        # 16 registers each in this layout, too many to keep live across the matmuls.
+                        # S^T starts at -LSE/scale, so that LSE is dead once S^T is issued (nothing is
+                        # in flight then; an initialised dP^T accumulator would make ptxas wait for S^T)
+                        zero_st = gl.zeros([W, BM], gl.float32, st_layout)
+                        mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                        lse2 = lse_smem.index(s).load(st_rows)
+                        s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
+                        sc = warpgroup_mma(k_rows, q_s.permute((1, 0)), s_init, is_async=True)
+                        mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
+                        dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                        sc = warpgroup_mma_wait(1, deps=(sc,))
+                        if HAS_SOFTCAP:  # the cap applies to the raw score: LSE subtracted here
                             lse2 = lse_smem.index(s).load(st_rows)
-                            s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
-                            sc = warpgroup_mma(k_rows, q_s.permute((1, 0)), s_init, is_async=True)
-                            mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
-                            dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-                            sc = warpgroup_mma_wait(1, deps=(sc,))
-                            if HAS_SOFTCAP:  # the cap applies to the raw score: LSE subtracted here
-                                lse2 = lse_smem.index(s).load(st_rows)
-                                th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
-                                p = gl.exp2(th * cap_out - lse2[None, :])
-                            else:
-                                p = gl.exp2(sc * qk_scale)
-                            if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
-                                keys = n0 + PART * W + gl.arange(0, W, layout=st_keys)
-                                lo, hi = key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi)
-                                p = gl.where((rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None]), p, 0.0)
-                            p_a = gl.convert_layout(p.to(dtype), a_layout)
-                            dv = warpgroup_mma(p_a, do_s, dv, is_async=True)  # dV += P^T dO
-                            dp = warpgroup_mma_wait(1, deps=(dp,))
-                            ds = p * (dp - delta_smem.index(s).load(st_rows)[None, :])
-                            if HAS_SOFTCAP:
-                                ds = ds * (1.0 - th * th)
-                            ds_a = gl.convert_layout(ds.to(dtype), a_layout)
-                            if not DQ_FIRST:
-                                dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)  # dK += dS^T Q
-                            mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
-                            my_ds.store(ds.to(dtype))
+                            th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
+                            p = gl.exp2(th * cap_out - lse2[None, :])
                         else:
-                            rows = mb + gl.arange(0, BM, layout=row_layout)
-                            rmask = rows < q_hi
-                            lse2 = gl.load(LSE2 + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
-                            delta = gl.load(DELTA + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
-                            zero_s = gl.zeros([BM, W], gl.float32, s_layout)
-                            mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
-                            sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                            mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
-                            dp = warpgroup_mma(do_s, v_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                            sc = warpgroup_mma_wait(1, deps=(sc,))
-                            if HAS_SOFTCAP:
-                                th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
-                                p = gl.exp2(th * cap_out - lse2[:, None])
-                            else:
-                                p = gl.exp2(sc * qk_scale - lse2[:, None])
-                            if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
-                                lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
-                                keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
-                                vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
-                                p = gl.where(vis, p, 0.0)
-                            my_p = p_smem.index(PART)  # [W, BM]: P^T of this warpgroup's keys
-                            my_p.permute((1, 0)).store(p.to(dtype))
-                            fence_async_shared()
-                            dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
-                            dp = warpgroup_mma_wait(1, deps=(dp,))
-                            ds = p * (dp - delta[:, None])
-                            if HAS_SOFTCAP:
-                                ds = ds * (1.0 - th * th)
-                            mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
-                            my_ds.permute((1, 0)).store(ds.to(dtype))
-                        fence_async_shared()
-                        mbarrier.arrive(ds_full.index(b))
-                        zero_dq = gl.zeros([BM, DH], gl.float32, dq_layout)
+                            p = gl.exp2(sc * qk_scale)
+                        if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
+                            keys = n0 + PART * W + gl.arange(0, W, layout=st_keys)
+                            lo, hi = key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi)
+                            p = gl.where((rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None]), p, 0.0)
+                        p_a = gl.convert_layout(p.to(dtype), a_layout)
+                        dv = warpgroup_mma(p_a, do_s, dv, is_async=True)  # dV += P^T dO
+                        dp = warpgroup_mma_wait(1, deps=(dp,))
+                        ds = p * (dp - delta_smem.index(s).load(st_rows)[None, :])
+                        if HAS_SOFTCAP:
+                            ds = ds * (1.0 - th * th)
+                        ds_a = gl.convert_layout(ds.to(dtype), a_layout)
                         if not DQ_FIRST:
-                            if not KQ:
-                                dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
-                            mbarrier.wait(ds_full.index(b), (j // 2) & 1)
-                            dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
-                                               is_async=True)  # dQ[:, my half] = dS K
-                            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                            mbarrier.arrive(empty_bars.index(s))
-                            mbarrier.arrive(ds_empty.index(b))
-                        else:  # dQ first: its epilogue below runs while dK is on the tensor cores
-                            mbarrier.wait(ds_full.index(b), (j // 2) & 1)
-                            dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-                            if KQ:
-                                dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
-                            else:
-                                dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
-                            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-                        tma.store_wait(0)  # the previous block's reduce-add has read my_dq
-                        my_dq.store(dq * scale)
+                            dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)  # dK += dS^T Q
+                        mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                        my_ds.store(ds.to(dtype))
+                    else:
+                        rows = mb + gl.arange(0, BM, layout=row_layout)
+                        rmask = rows < q_hi
+                        lse2 = gl.load(LSE2 + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
+                        delta = gl.load(DELTA + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
+                        zero_s = gl.zeros([BM, W], gl.float32, s_layout)
+                        mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                        sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
+                        dp = warpgroup_mma(do_s, v_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        sc = warpgroup_mma_wait(1, deps=(sc,))
+                        if HAS_SOFTCAP:
+                            th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
+                            p = gl.exp2(th * cap_out - lse2[:, None])
+                        else:
+                            p = gl.exp2(sc * qk_scale - lse2[:, None])
+                        if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
+                            lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
+                            keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
+                            vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
+                            p = gl.where(vis, p, 0.0)
+                        my_p = p_smem.index(PART)  # [W, BM]: P^T of this warpgroup's keys
+                        my_p.permute((1, 0)).store(p.to(dtype))
                         fence_async_shared()
-                        _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
-                        if DQ_FIRST:  # dK has read this block's Q and dS: release them
-                            dk = warpgroup_mma_wait(0, deps=(dk,))
-                            mbarrier.arrive(empty_bars.index(s))
-                            mbarrier.arrive(ds_empty.index(b))
-                        j += 1
+                        dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
+                        dp = warpgroup_mma_wait(1, deps=(dp,))
+                        ds = p * (dp - delta[:, None])
+                        if HAS_SOFTCAP:
+                            ds = ds * (1.0 - th * th)
+                        mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                        my_ds.permute((1, 0)).store(ds.to(dtype))
+                    fence_async_shared()
+                    mbarrier.arrive(ds_full.index(b))
+                    zero_dq = gl.zeros([BM, DH], gl.float32, dq_layout)
+                    if not DQ_FIRST:
+                        if not KQ:
+                            dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
+                        mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
+                                           is_async=True)  # dQ[:, my half] = dS K
+                        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                        mbarrier.arrive(empty_bars.index(s))
+                        mbarrier.arrive(ds_empty.index(b))
+                    else:  # dQ first: its epilogue below runs while dK is on the tensor cores
+                        mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+                        if KQ:
+                            dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
+                        else:
+                            dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
+                        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+                    tma.store_wait(0)  # the previous block's reduce-add has read my_dq
+                    my_dq.store(dq * scale)
+                    fence_async_shared()
+                    _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
+                    if DQ_FIRST:  # dK has read this block's Q and dS: release them
+                        dk = warpgroup_mma_wait(0, deps=(dk,))
+                        mbarrier.arrive(empty_bars.index(s))
+                        mbarrier.arrive(ds_empty.index(b))
+                    j += 1
         tma.store_wait(0)
 
         out_layout: gl.constexpr = gl.SliceLayout(1, kv_layout)
@@ -436,8 +414,7 @@ if AVAILABLE:
                        HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
-                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, CHUNK: gl.constexpr, TRACE: gl.constexpr,
-                       TRACE_BUF):
+                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, TRACE: gl.constexpr, TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
         HK = HQ // GROUP
@@ -485,14 +462,14 @@ if AVAILABLE:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
                          qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
-                         KQ, BLOCK_WALK, REVERSE, CHUNK, 0)),
+                         KQ, BLOCK_WALK, REVERSE, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
                          qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
-                         KQ, BLOCK_WALK, REVERSE, CHUNK, 1)),
+                         KQ, BLOCK_WALK, REVERSE, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP, BM, BN, D, STAGES, ROTATE, KQ,
-                       BLOCK_WALK, REVERSE, CHUNK)),
+                       BLOCK_WALK, REVERSE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         if TRACE:  # (program, SM, start ns, end ns): the default partition is done with its keys here
             rec = TRACE_BUF + gl.program_id(0).to(gl.int64) * 4
@@ -534,8 +511,7 @@ if AVAILABLE:
             dk, dv, lse2, delta, meta, tiles, members, order, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, CHUNK=0 if block_walk else _chunk(work), TRACE=trace, TRACE_BUF=trace_buf,
-            num_warps=4, maxnreg=MAX_REGS,
+            REVERSE=reverse, TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
         )
         if trace:
             global last_trace
