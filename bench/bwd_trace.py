@@ -1,7 +1,8 @@
 """Where the Gluon backward's time goes, program by program: a per-program trace of one launch.
 
-With ``MAGI_GLUON_BWD_TRACE=1`` each (key tile, KV head) program records its SM and its start
-and end ``%globaltimer``. This script runs one backward per mask and splits the launch's
+With ``MAGI_GLUON_BWD_TRACE=1`` each piece of the launch (a (key tile, KV head) program over
+some of its GQA query heads, ``program_order.split_tail``) records its SM and its start and
+end ``%globaltimer``. This script runs one backward per mask and splits the launch's
 SM-time into the programs' own time, the gaps between programs on an SM, the SMs' idle time
 before their first program and after their last one (the tail), and fits each program's
 duration as ``overhead + steps * per_step`` (steps: GROUP x the tile's query blocks), which
@@ -20,8 +21,8 @@ from collections.abc import Sequence
 
 
 def summarize(record: Sequence[Sequence[int]], steps: Sequence[float]) -> dict:
-    """Split one launch's SM-time (rows of (program, SM, start ns, end ns); ``steps[program]``
-    its step count) into busy / gap / head / tail fractions, and fit duration = a + b * steps."""
+    """Split one launch's SM-time (rows of (piece, SM, start ns, end ns); ``steps[i]`` row i's
+    step count) into busy / gap / head / tail fractions, and fit duration = a + b * steps."""
     import numpy as np
 
     rec = np.asarray(record, dtype=np.int64)
@@ -38,7 +39,7 @@ def summarize(record: Sequence[Sequence[int]], steps: Sequence[float]) -> dict:
         tail += t_hi - mine[:, 3].max()
     total = span * len(sms)
     busy = dur.sum()
-    st = np.asarray([steps[p] for p in rec[:, 0]], dtype=float)
+    st = np.asarray(steps, dtype=float)
     b, a = np.polyfit(st, dur, 1) if np.ptp(st) > 0 else (dur.mean() / max(st.mean(), 1.0), 0.0)
     return {"programs": int(len(rec)), "sms": int(len(sms)), "span_us": round(span / 1e3, 1),
             "busy": round(busy / total, 4), "head_idle": round(head / total, 4), "tail_idle": round(tail / total, 4),
@@ -46,11 +47,20 @@ def summarize(record: Sequence[Sequence[int]], steps: Sequence[float]) -> dict:
             "per_program_overhead_us": round(a / 1e3, 2), "mean_steps": round(float(st.mean()), 1)}
 
 
-def steps_per_program(work: Sequence[int], n_kv_heads: int, group: int, block_rows: int) -> list[float]:
-    """Steps of each program id (``head * n_tiles + tile``): GROUP query heads x the tile's
-    visible query rows in blocks."""
-    per_tile = [group * -(-w // block_rows) for w in work]
-    return per_tile * n_kv_heads
+def decode(piece: int) -> tuple[int, int, int]:
+    """(program id ``head * n_tiles + tile``, g_lo, g_hi) of a record's first field (the
+    kernel's ``prog + (g_lo | g_hi << 16) << 32``)."""
+    heads = piece >> 32
+    return piece & 0xFFFFFFFF, heads & 0xFFFF, heads >> 16
+
+
+def steps_of(record: Sequence[Sequence[int]], work: Sequence[int], block_rows: int) -> list[int]:
+    """Steps of each record row: its query heads x its tile's visible query rows in blocks."""
+    out = []
+    for row in record:
+        prog, g_lo, g_hi = decode(row[0])
+        out.append((g_hi - g_lo) * -(-work[prog % len(work)] // block_rows))
+    return out
 
 
 def plot(traces: dict[str, list], path: str) -> None:
@@ -64,9 +74,9 @@ def plot(traces: dict[str, list], path: str) -> None:
     for ax, (name, tr) in zip(axes[:, 0], traces.items()):
         rec, n_tiles = tr["record"], tr["n_tiles"]
         t_lo = min(r[2] for r in rec)
-        for prog, sm, t0, t1 in rec:
+        for piece, sm, t0, t1 in rec:
             ax.barh(sm, (t1 - t0) / 1e3, left=(t0 - t_lo) / 1e3, height=0.9,
-                    color=plt.cm.tab10((prog // n_tiles) % 10), linewidth=0)
+                    color=plt.cm.tab10((decode(piece)[0] // n_tiles) % 10), linewidth=0)
         ax.set_title(f"{name}: {tr['summary']['span_us']} us, busy {tr['summary']['busy']:.1%}, "
                      f"tail idle {tr['summary']['tail_idle']:.1%}", fontsize=9)
         ax.set_ylabel("SM")
@@ -107,8 +117,9 @@ def main() -> int:
         if tr is None:
             raise RuntimeError("the backward did not run the Gluon kernel (sm90 and d=128 needed)")
         rec = tr["record"].cpu().tolist()
-        steps = steps_per_program(tr["work"], tr["n_kv_heads"], hq // hk, tr["block_rows"])
-        summary = {"mask": mask, "seqlen": S, "variant": args.variant,
+        steps = steps_of(rec, tr["work"], tr["block_rows"])
+        split = sum(1 for row in rec if (lambda _p, lo, hi: hi - lo < hq // hk)(*decode(row[0])))
+        summary = {"mask": mask, "seqlen": S, "variant": args.variant, "split_pieces": split,
                    **summarize(rec, steps)}
         print(json.dumps(summary), flush=True)
         traces[mask] = {"summary": summary, "record": rec, "n_tiles": len(tr["work"])}

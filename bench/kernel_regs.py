@@ -85,7 +85,7 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FI
 
     ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "do_desc": desc(BM),
            "dq_desc": desc(BM, D // 2, "fp32", gl.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
-           "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "T": "i32",
+           "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
            "HQ": "i32", "TRACE_BUF": "*i64"}
     ptr |= {n: "fp32" for n in FLOATS}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, ROTATE=ROTATE,

@@ -113,9 +113,14 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
         gb._walk()
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
     assert gb._walk() == (True, True)
-    for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES", "MAGI_GLUON_BWD_WALK"):
+    monkeypatch.setenv("MAGI_GLUON_BWD_SPLIT", "yes")
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SPLIT must be 0 or 1"):
+        gb._split()
+    for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES", "MAGI_GLUON_BWD_WALK",
+                 "MAGI_GLUON_BWD_SPLIT"):
         monkeypatch.delenv(name)
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"  # the measured defaults
+    assert gb._walk() == (False, False) and gb._split()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]
     monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
     assert gb._config(128)[2] == min(gb.CONFIGS[128][2], gb.QUERY_MAJOR_STAGES)

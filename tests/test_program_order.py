@@ -64,3 +64,45 @@ def test_choose_band_checks_its_arguments():
     with pytest.raises(ValueError, match="n_sms and n_heads must be positive"):
         po.choose_band([1.0], 8, 0)
     assert po.choose_band([], 8, 132) == 1  # no tiles: nothing to order
+
+
+def _finish(pieces, costs, n_tiles, n_sms, group):
+    """Simulated finish of a piece list, pieces costing as ``split_tail`` models them."""
+    c = [costs[p % n_tiles] if hi - lo == group else (costs[p % n_tiles] - 1) * (hi - lo) / group
+         + po.PIECE_OVERHEAD_BLOCKS for p, lo, hi in pieces]
+    return max(po.list_schedule(c, [0.0] * n_sms))
+
+
+def _covers_each_head_once(pieces, order, group):
+    seen = sorted((p, g) for p, lo, hi in pieces for g in range(lo, hi))
+    return seen == sorted((p, g) for p in order for g in range(group))
+
+
+@pytest.mark.parametrize("n_tiles,n_heads,n_sms", [(128, 8, 132), (256, 8, 132), (17, 2, 132), (60, 3, 16)])
+def test_split_tail_fills_the_last_wave_of_equal_programs(n_tiles, n_heads, n_sms):
+    """Equal programs whose count is not a multiple of the SMs: the last programs run as pieces
+    of fewer query heads; every (program, head) is in exactly one piece, the unsplit programs
+    keep their launch order in front, and the simulated finish drops by at least SPLIT_GAIN
+    (16k full: 1024 programs on 132 SMs, 7.76 waves)."""
+    costs = costs_of("full", n_tiles)
+    order = po.band_order(n_tiles, n_heads, 1)
+    pieces = po.split_tail(order, costs, n_tiles, n_sms, 6)
+    assert _covers_each_head_once(pieces, order, 6)
+    whole = [p for p, lo, hi in pieces if hi - lo == 6]
+    assert whole == order[:len(whole)] and len(whole) < len(order)
+    base = po.simulated_finish(order, costs, n_tiles, n_sms)
+    assert _finish(pieces, costs, n_tiles, n_sms, 6) <= (1 - po.SPLIT_GAIN) * base
+
+
+def test_split_tail_leaves_launches_it_cannot_shorten():
+    """Whole waves of equal programs, a single query head per KV head (nothing to split) and
+    an empty launch stay as they are."""
+    costs = costs_of("full", 66)
+    order = po.band_order(66, 4, 1)  # 264 programs: two whole waves on 132 SMs
+    assert po.split_tail(order, costs, 66, 132, 6) == [(p, 0, 6) for p in order]
+    assert po.split_tail(order[:100], costs, 66, 132, 1) == [(p, 0, 1) for p in order[:100]]
+    assert po.split_tail([], costs, 66, 132, 6) == []
+
+
+def test_list_schedule_starts_each_program_on_the_first_free_sm():
+    assert sorted(po.list_schedule([3.0, 1.0, 1.0, 2.0], [0.0, 0.0])) == [3.0, 4.0]

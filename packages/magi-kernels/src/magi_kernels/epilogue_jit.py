@@ -89,20 +89,20 @@ if AVAILABLE:
             return n_blocks, zero, zero
 
     @triton.jit
-    def walk_step(o, u, n_blocks, first, q_lo, rot, GROUP: tl.constexpr, BM: tl.constexpr,
-                  BLOCK_WALK: tl.constexpr, REVERSE: tl.constexpr):
+    def walk_step(o, u, n_blocks, first, q_lo, rot, g_lo, g_hi, BM: tl.constexpr, BLOCK_WALK: tl.constexpr,
+                  REVERSE: tl.constexpr):
         """(query head within the GQA group, first query row) of step (o, u) of a key tile's walk
-        over GROUP heads x n_blocks query blocks, for loops ``for o in range(n_blocks if
-        BLOCK_WALK else GROUP): for u in range(GROUP if BLOCK_WALK else n_blocks)``.
+        over heads [g_lo, g_hi) of its GQA group x n_blocks query blocks, for loops ``for o in
+        range(0, n_blocks) if BLOCK_WALK else range(g_lo, g_hi): for u in range(g_hi - g_lo if
+        BLOCK_WALK else n_blocks)``.
 
         Head walk (``BLOCK_WALK`` false): every block of one head, then the next head. Block
         walk: every head of one block, then the next block, the heads starting at ``rot``.
         ``REVERSE`` mirrors the blocks, ``first`` counting from the last one: a causal tile walks
-        from its last rows back to its diagonal, so that tiles of different lengths meet the
-        same rows at the same time."""
+        from its last rows back to its diagonal."""
         if BLOCK_WALK:
             t = o
-            g = (u + rot) % GROUP
+            g = g_lo + (u + rot) % (g_hi - g_lo)
         else:
             t = u
             g = o

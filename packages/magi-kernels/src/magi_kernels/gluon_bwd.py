@@ -7,7 +7,10 @@ head's Q/dO/dQ in L2, with the last heads tile-major where that shortens the tai
 loops over the tile's member slices, the GQA group's query heads and the query blocks (BM=64
 rows) that see its keys, starting at the tile's diagonal block and wrapping
 (``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
-the same dQ rows at once. The program forks into:
+the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
+the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
+part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. The
+program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
@@ -22,8 +25,9 @@ the same dQ rows at once. The program forks into:
 
 Query rows of a partial block past the slice are loaded (TMA reads whatever lies there, zeros
 past the tensor's end) and get probability 0 and dS 0, so Q/dO must be finite everywhere (as
-the forward needs for keys). The dQ adds are fp32 reduce-adds in no fixed order: not bitwise
-deterministic (``torch.use_deterministic_algorithms`` selects the split Triton backward).
+the forward needs for keys). The dQ adds (and the dK/dV of split pieces) are fp32 adds in no
+fixed order: not bitwise deterministic (``torch.use_deterministic_algorithms`` selects the
+split Triton backward).
 
 Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 """
@@ -119,6 +123,16 @@ def _walk() -> tuple[bool, bool]:
     return raw.startswith("block"), raw.endswith("_rev")
 
 
+def _split() -> bool:
+    """``MAGI_GLUON_BWD_SPLIT=1/0`` (default 1): whether the launch's last programs may run as
+    pieces of fewer GQA query heads, their dK/dV added with fp32 atomics
+    (``program_order.split_tail``: the part-empty last wave of equal programs)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_SPLIT", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"MAGI_GLUON_BWD_SPLIT must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def _trace() -> bool:
     """``MAGI_GLUON_BWD_TRACE=1``: each launch records every program's SM and start/end
     ``%globaltimer`` into ``last_trace`` (a profiling aid for ``bench/bwd_trace.py``; one int64
@@ -172,11 +186,17 @@ def order_band(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int,
 
 
 @functools.lru_cache(maxsize=256)
-def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int,
-                 device: torch.device) -> torch.Tensor:
+def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
+                 split: bool, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
+    piece covers fewer than ``group`` query heads)."""
+    costs = program_order.tile_costs(work, block_rows)
     band = order_band(work, n_heads, n_sms, mode, block_rows)
     order = program_order.band_order(len(work), n_heads, band)
-    return torch.tensor(order, dtype=torch.int32).to(device)
+    pieces = (program_order.split_tail(order, costs, len(work), n_sms, group) if split
+              else [(p, 0, group) for p in order])
+    table = [(p, lo | hi << 16) for p, lo, hi in pieces]
+    return torch.tensor(table, dtype=torch.int32).to(device), len(pieces) > len(order)
 
 
 def key_tile_size(d: int) -> int:
@@ -203,7 +223,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
-                DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP: gl.constexpr, BM: gl.constexpr,
+                DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP: gl.constexpr, BM: gl.constexpr,
                 BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr,
                 BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr):
         kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
@@ -216,9 +236,9 @@ if AVAILABLE:
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, _f_lo, _f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
             n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
-            for o in range(n_blocks if BLOCK_WALK else GROUP):
-                for u in range(GROUP if BLOCK_WALK else n_blocks):
-                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
+            for o in range(0 if BLOCK_WALK else g_lo, n_blocks if BLOCK_WALK else g_hi):
+                for u in range(g_hi - g_lo if BLOCK_WALK else n_blocks):
+                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, g_lo, g_hi, BM, BLOCK_WALK, REVERSE)
                     col = (hk * GROUP + g) * D
                     head = (hk * GROUP + g).to(gl.int64) * T
                     s = j % STAGES
@@ -243,7 +263,7 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
                   DK, DV, LSE2, DELTA,
-                  META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale, qk_scale, cap_in, cap_out,
+                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
                   KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PART: gl.constexpr):
@@ -290,9 +310,9 @@ if AVAILABLE:
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
             n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
-            for o in range(n_blocks if BLOCK_WALK else GROUP):
-                for u in range(GROUP if BLOCK_WALK else n_blocks):
-                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, GROUP, BM, BLOCK_WALK, REVERSE)
+            for o in range(0 if BLOCK_WALK else g_lo, n_blocks if BLOCK_WALK else g_hi):
+                for u in range(g_hi - g_lo if BLOCK_WALK else n_blocks):
+                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, g_lo, g_hi, BM, BLOCK_WALK, REVERSE)
                     h = hk * GROUP + g
                     s = j % STAGES
                     q_s = q_smem.index(s)
@@ -403,25 +423,32 @@ if AVAILABLE:
         ptr = (krows.to(gl.int64) * HK + hk)[:, None] * D + dcols[None, :]
         kmask = (krows < t_end)[:, None]
         dk = dk * scale
-        if ACCUM:  # later layers add to the earlier ones' dK/dV
-            dk += gl.load(DK + ptr, mask=kmask, other=0.0)
-            dv += gl.load(DV + ptr, mask=kmask, other=0.0)
-        gl.store(DK + ptr, dk, mask=kmask)
-        gl.store(DV + ptr, dv, mask=kmask)
+        if g_hi - g_lo < GROUP:  # a piece of the tile's heads: other pieces add into the same rows
+            gl.atomic_add(DK + ptr, dk, mask=kmask, sem="relaxed")
+            gl.atomic_add(DV + ptr, dv, mask=kmask, sem="relaxed")
+        else:
+            if ACCUM:  # later layers add to the earlier ones' dK/dV
+                dk += gl.load(DK + ptr, mask=kmask, other=0.0)
+                dv += gl.load(DV + ptr, mask=kmask, other=0.0)
+            gl.store(DK + ptr, dk, mask=kmask)
+            gl.store(DV + ptr, dv, mask=kmask)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER, T,
-                       HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER,
+                       N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
                        BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, TRACE: gl.constexpr, TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
         HK = HQ // GROUP
-        n_tiles = gl.num_programs(0) // HK
-        prog = gl.load(ORDER + gl.program_id(0))  # launch order (program_order): head * n_tiles + tile
-        hk = prog // n_tiles
-        tile = TILES + (prog % n_tiles) * 4
+        # launch order (program_order): (head * n_tiles + tile, query heads g_lo | g_hi << 16)
+        prog = gl.load(ORDER + gl.program_id(0) * 2)
+        heads = gl.load(ORDER + gl.program_id(0) * 2 + 1)
+        g_lo = heads & 0xFFFF
+        g_hi = heads >> 16
+        hk = prog // N_TILES
+        tile = TILES + (prog % N_TILES) * 4
         n0 = gl.load(tile)
         t_end = gl.load(tile + 1)
         first = gl.load(tile + 2)
@@ -460,20 +487,20 @@ if AVAILABLE:
 
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
-                         qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
-                         KQ, BLOCK_WALK, REVERSE, 0)),
+                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T,
+                         scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE,
+                         DQ_FIRST, KQ, BLOCK_WALK, REVERSE, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, HK, T, scale,
-                         qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST,
-                         KQ, BLOCK_WALK, REVERSE, 1)),
+                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T,
+                         scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE,
+                         DQ_FIRST, KQ, BLOCK_WALK, REVERSE, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
-                       LSE2, DELTA, META, MEMBERS, n0, first, count, hk, T, GROUP, BM, BN, D, STAGES, ROTATE, KQ,
-                       BLOCK_WALK, REVERSE)),
+                       LSE2, DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP, BM, BN, D, STAGES,
+                       ROTATE, KQ, BLOCK_WALK, REVERSE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
         if TRACE:  # (program, SM, start ns, end ns): the default partition is done with its keys here
             rec = TRACE_BUF + gl.program_id(0).to(gl.int64) * 4
-            gl.store(rec, prog.to(gl.int64))
+            gl.store(rec, prog.to(gl.int64) + (heads.to(gl.int64) << 32))
             gl.store(rec + 1, _smid().to(gl.int64))
             gl.store(rec + 2, t_start)
             gl.store(rec + 3, _globaltimer())
@@ -502,13 +529,17 @@ if AVAILABLE:
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
-        order = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, q.device)
+        order, split = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, hq // hk, _split(), q.device)
+        if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
+            dk.zero_()
+            dv.zero_()
         block_walk, reverse = _walk()
         trace = _trace()
-        trace_buf = torch.zeros(len(work) * hk, 4, dtype=torch.int64, device=q.device) if trace else dq
-        _bwd_ws_kernel[(len(work) * hk,)](
+        trace_buf = torch.zeros(len(order), 4, dtype=torch.int64, device=q.device) if trace else dq
+        _bwd_ws_kernel[(len(order),)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
-            dk, dv, lse2, delta, meta, tiles, members, order, q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
+            dk, dv, lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in,
+            cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
             REVERSE=reverse, TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
