@@ -106,3 +106,36 @@ def test_split_tail_leaves_launches_it_cannot_shorten():
 
 def test_list_schedule_starts_each_program_on_the_first_free_sm():
     assert sorted(po.list_schedule([3.0, 1.0, 1.0, 2.0], [0.0, 0.0])) == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_tail_bounds_do_not_change_the_plan(seed):
+    """split_tail skips candidates by lower bounds and stops simulating a candidate once it
+    cannot win; on random tile costs its plan must equal the exhaustive search's over the
+    same candidates (the first strictly shortest finish below (1 - SPLIT_GAIN) x unsplit)."""
+    import random
+
+    rnd = random.Random(seed)
+    n_tiles, n_heads, n_sms, group = rnd.randint(5, 90), rnd.choice([1, 2, 4, 8]), rnd.choice([16, 132]), 6
+    work = sorted((rnd.randint(1, 64) * 64 for _ in range(n_tiles)), reverse=True)
+    if seed % 2:
+        work = [work[0]] * n_tiles  # equal programs: the case the split is for
+    costs = po.tile_costs(work, 64)
+    order = po.band_order(n_tiles, n_heads, n_heads if seed % 3 == 0 else 1)
+    n = len(order)
+    seq = [costs[p % n_tiles] for p in order]
+    best = max(po.list_schedule(seq, [0.0] * n_sms)) * (1 - po.SPLIT_GAIN)
+    plan = None
+    for k in sorted({max(1, n_sms // 2), n_sms, 2 * n_sms, n}):
+        if k > n:
+            continue
+        for s in (d for d in range(1, group) if group % d == 0):
+            tail = [(c - 1) * s / group + po.PIECE_OVERHEAD_BLOCKS for c in seq[n - k:] for _ in range(group // s)]
+            finish = max(po.list_schedule(seq[: n - k] + tail, [0.0] * n_sms))
+            if finish < best:
+                best, plan = finish, (k, s)
+    expected = [(p, 0, group) for p in order]
+    if plan:
+        k, s = plan
+        expected = expected[: n - k] + [(p, g, g + s) for p in order[n - k:] for g in range(0, group, s)]
+    assert po.split_tail(order, costs, n_tiles, n_sms, group) == expected

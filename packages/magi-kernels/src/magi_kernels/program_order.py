@@ -104,11 +104,24 @@ def tile_costs(work: Sequence[int], block_rows: int, overhead_blocks: float = 1.
 Piece = tuple[int, int, int]  # (program id, first query head of the GQA group, end head)
 
 
+def _finish_below(costs: Iterable[float], free: list[float], limit: float) -> float:
+    """The list schedule's finish (as ``list_schedule``), or ``inf`` as soon as one program
+    would end at or after ``limit`` (a candidate plan that cannot win)."""
+    end = max(free)
+    for c in costs:
+        t = free[0] + c
+        if t >= limit:
+            return float("inf")
+        heapq.heapreplace(free, t)
+        end = max(end, t)
+    return end
+
+
 def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms: int, group: int,
                gain: float = SPLIT_GAIN) -> list[Piece]:
     """The launch as pieces ``(program, g_lo, g_hi)``: each program of ``order`` over its GQA
     group's query heads [0, group), except that the last K programs may run as pieces of s
-    heads each, K from half a wave to two waves (or all programs) and s a divisor of
+    heads each, K half a wave, one or two waves (or all programs) and s a divisor of
     ``group``, whichever simulated finish is shortest, if it beats the unsplit launch's by
     ``gain``. A launch of fewer programs than SMs (a short context-parallel shard) splits
     them all.
@@ -122,17 +135,25 @@ def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms:
     if group < 2 or n == 0:
         return whole
     costs = [cost[p % n_tiles] for p in order]
-    base = max(list_schedule(costs, [0.0] * n_sms))
     k_max = min(n, 2 * n_sms)
     prefix = list_schedule(costs[: n - k_max], [0.0] * n_sms)  # the same for every candidate
+    base = max(list_schedule(costs[n - k_max:], list(prefix)))
+    # no plan finishes before the work spread evenly (a piece costs at least its share): when
+    # that is within ``gain`` of the unsplit finish, nothing is worth simulating
+    if sum(costs) / n_sms >= (1 - gain) * base:
+        return whole
     best, best_plan = base * (1 - gain), None
-    for k in sorted({max(1, n_sms // 2), n_sms, 3 * n_sms // 2, 2 * n_sms, n}):
+    for k in sorted({max(1, n_sms // 2), n_sms, 2 * n_sms, n}):
         if k > n:
             continue
+        free_k = list_schedule(costs[n - k_max: n - k], list(prefix))
+        busy, tail = sum(free_k), sum(costs[n - k:]) - k
         for s in (d for d in range(1, group) if group % d == 0):
-            free = list_schedule(costs[n - k_max: n - k], list(prefix))
+            # bounds first: the SMs still busy, and the work spread evenly
+            if max(max(free_k), (busy + tail + k * group // s * PIECE_OVERHEAD_BLOCKS) / n_sms) >= best:
+                continue
             piece = ((c - 1) * s / group + PIECE_OVERHEAD_BLOCKS for c in costs[n - k:] for _ in range(group // s))
-            finish = max(list_schedule(piece, free))
+            finish = _finish_below(piece, list(free_k), best)
             if finish < best:
                 best, best_plan = finish, (k, s)
     if best_plan is None:
