@@ -116,6 +116,35 @@ def test_eager_calls_skip_the_dispatcher():
     assert "_EagerFFA" in out.grad_fn.name() and lse.grad_fn is out.grad_fn
 
 
+def test_run_forward_backward_skip_the_op_in_eager_and_record_it_in_graphs(monkeypatch):
+    """``run_forward`` / ``run_backward`` (the context-parallel stages' calls) run the op's body
+    in eager mode and the op itself under torch.compile, with the same results."""
+    from magi_kernels import interface, run_backward, run_forward
+
+    slices, S = mask_cases()["causal"]
+    q, k, v = _inputs(S, 2, 1, 8, torch.float32)
+    qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in ([s[:2] for s in slices], [s[2:4] for s in slices],
+                                                                [s[4] for s in slices]))
+    out, lse = interface.ffa_fwd(q, k, v, qr, kr, tm, 0.5, 0.0, "torch", True)
+    do, dlse = torch.randn_like(out), torch.zeros_like(lse)
+    grads = interface.ffa_bwd(do, q, k, v, out, lse, dlse, qr, kr, tm, 0.5, 0.0, "torch")
+
+    def compiled_fwd(q, k, v):
+        return run_forward(q, k, v, qr, kr, tm, 0.5, 0.0, "torch", True)
+
+    got = torch.compile(compiled_fwd, backend="eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, (out, lse))
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("an eager call went through the custom op")
+
+    monkeypatch.setattr(interface, "ffa_fwd", no_dispatch)
+    monkeypatch.setattr(interface, "ffa_bwd", no_dispatch)
+    torch.testing.assert_close(run_forward(q, k, v, qr, kr, tm, 0.5, 0.0, "torch", True), (out, lse))
+    for got, want in zip(run_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, 0.5, 0.0, "torch"), grads):
+        torch.testing.assert_close(got, want)
+
+
 class TestErrors:
     def test_messages(self):
         q, k, v = _inputs(8, 4, 2, 8, torch.float32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from magi_comm import PendingCollective, group_cast, group_reduce
-from magi_kernels import ffa_bwd, ffa_fwd, merge_out_lse
+from magi_kernels import merge_out_lse, run_backward, run_forward
 
 from .runtime import DistAttnRuntime, SliceArgs
 
@@ -45,12 +45,12 @@ def _reduce_dkv(part: torch.Tensor, dkv: torch.Tensor, rt: DistAttnRuntime, stag
 
 
 def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend):
-    return ffa_fwd(q, k, v, args.q_ranges, args.k_ranges, args.attn_type_map, scale, softcap, backend, True)
+    return run_forward(q, k, v, args.q_ranges, args.k_ranges, args.attn_type_map, scale, softcap, backend, True)
 
 
 def _bwd(do, q, k, v, out, lse, dlse, args: SliceArgs, scale, softcap, backend):
-    return ffa_bwd(do, q, k, v, out, lse, dlse, args.q_ranges, args.k_ranges, args.attn_type_map,
-                   scale, softcap, backend)
+    return run_backward(do, q, k, v, out, lse, dlse, args.q_ranges, args.k_ranges, args.attn_type_map,
+                        scale, softcap, backend)
 
 
 def _split_kv(kv: torch.Tensor, hk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """magi-kernels: Flex-Flash-Attention over (q_range, k_range, mask_type) slices."""
 
-from .interface import BACKENDS, ffa_bwd, ffa_fwd, flex_flash_attn_func, resolve_backend
+from .interface import BACKENDS, ffa_bwd, ffa_fwd, flex_flash_attn_func, resolve_backend, run_backward, run_forward
 from .lse import merge_out_lse
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "ffa_bwd", "ffa_fwd", "flex_flash_attn_func", "merge_out_lse", "resolve_backend"]
+__all__ = ["BACKENDS", "ffa_bwd", "ffa_fwd", "flex_flash_attn_func", "merge_out_lse", "resolve_backend", "run_backward",
+           "run_forward"]
