@@ -15,8 +15,13 @@ in-order dispatch replayed on the host, ``simulated_finish``) is within ``tolera
 longest-first order's: equal tiles (a full mask) keep head-major, a causal mask at 8k runs
 tile-major, at 16k and longer head-major again (its tail is then under 2 %), packed documents
 get bands of 2-4 heads at 8k-16k. Measured on the H200 (v11): 8k causal 385 -> 400-417 TFLOP/s,
-8k varlen causal 278 -> 318, 16k varlen causal 350 -> 363. Plain Python on host-side work
-counts (no device reads); the caller (``gluon_bwd``) caches the order table per work tuple.
+8k varlen causal 278 -> 318, 16k varlen causal 350 -> 363.
+
+``split_tail`` then fills a part-empty last wave: the last programs of the order run as pieces
+over fewer of their GQA group's query heads (their dK/dV added with atomics), chosen on the same
+list-schedule model (v14: 16k/32k full and sliding window split their last wave). Plain Python on
+host-side work counts (no device reads); the caller (``gluon_bwd``) caches the table per work
+tuple (0.2-3 ms to build at 8k-128k tokens).
 """
 
 from __future__ import annotations
