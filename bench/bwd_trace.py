@@ -19,6 +19,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from magi_kernels.gluon_bwd import decode_piece
+
 
 def summarize(record: Sequence[Sequence[int]], steps: Sequence[float]) -> dict:
     """Split one launch's SM-time (rows of (piece, SM, start ns, end ns); ``steps[i]`` row i's
@@ -47,18 +49,11 @@ def summarize(record: Sequence[Sequence[int]], steps: Sequence[float]) -> dict:
             "per_program_overhead_us": round(a / 1e3, 2), "mean_steps": round(float(st.mean()), 1)}
 
 
-def decode(piece: int) -> tuple[int, int, int]:
-    """(program id ``head * n_tiles + tile``, g_lo, g_hi) of a record's first field (the
-    kernel's ``prog + (g_lo | g_hi << 16) << 32``)."""
-    heads = piece >> 32
-    return piece & 0xFFFFFFFF, heads & 0xFFFF, heads >> 16
-
-
 def steps_of(record: Sequence[Sequence[int]], work: Sequence[int], block_rows: int) -> list[int]:
     """Steps of each record row: its query heads x its tile's visible query rows in blocks."""
     out = []
     for row in record:
-        prog, g_lo, g_hi = decode(row[0])
+        prog, g_lo, g_hi = decode_piece(row[0])
         out.append((g_hi - g_lo) * -(-work[prog % len(work)] // block_rows))
     return out
 
@@ -76,7 +71,7 @@ def plot(traces: dict[str, list], path: str) -> None:
         t_lo = min(r[2] for r in rec)
         for piece, sm, t0, t1 in rec:
             ax.barh(sm, (t1 - t0) / 1e3, left=(t0 - t_lo) / 1e3, height=0.9,
-                    color=plt.cm.tab10((decode(piece)[0] // n_tiles) % 10), linewidth=0)
+                    color=plt.cm.tab10((decode_piece(piece)[0] // n_tiles) % 10), linewidth=0)
         ax.set_title(f"{name}: {tr['summary']['span_us']} us, busy {tr['summary']['busy']:.1%}, "
                      f"tail idle {tr['summary']['tail_idle']:.1%}", fontsize=9)
         ax.set_ylabel("SM")
@@ -118,7 +113,7 @@ def main() -> int:
             raise RuntimeError("the backward did not run the Gluon kernel (sm90 and d=128 needed)")
         rec = tr["record"].cpu().tolist()
         steps = steps_of(rec, tr["work"], tr["block_rows"])
-        split = sum(1 for row in rec if (lambda _p, lo, hi: hi - lo < hq // hk)(*decode(row[0])))
+        split = sum(1 for row in rec if (lambda _p, lo, hi: hi - lo < hq // hk)(*decode_piece(row[0])))
         summary = {"mask": mask, "seqlen": S, "variant": args.variant, "split_pieces": split,
                    **summarize(rec, steps)}
         print(json.dumps(summary), flush=True)

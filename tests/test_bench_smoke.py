@@ -70,7 +70,7 @@ def test_backward_trace_summary_splits_sm_time_and_fits_steps():
     assert s["per_step_us"] == round(b / 1e3, 4) and s["per_program_overhead_us"] == round(a / 1e3, 2)
     # pieces: program 1 (tile 1 of head 0) over heads [0, 3), program 2 (tile 0 of head 1) over [1, 2)
     rec = [(1 + ((0 | 3 << 16) << 32), 0, 0, 1), (2 + ((1 | 2 << 16) << 32), 0, 0, 1)]
-    assert bwd_trace.decode(rec[1][0]) == (2, 1, 2)
+    assert bwd_trace.decode_piece(rec[1][0]) == (2, 1, 2)
     assert bwd_trace.steps_of(rec, [64, 100], 64) == [3 * 2, 1 * 1]
     with pytest.raises(ValueError, match="MAGI_GLUON_BWD_TRACE=1"):
         bwd_trace.summarize([], [])

@@ -68,8 +68,8 @@ def test_choose_band_checks_its_arguments():
 
 def _finish(pieces, costs, n_tiles, n_sms, group):
     """Simulated finish of a piece list, pieces costing as ``split_tail`` models them."""
-    c = [costs[p % n_tiles] if hi - lo == group else (costs[p % n_tiles] - 1) * (hi - lo) / group
-         + po.PIECE_OVERHEAD_BLOCKS for p, lo, hi in pieces]
+    c = [costs[p % n_tiles] if hi - lo == group else po.piece_cost(costs[p % n_tiles], hi - lo, group)
+         for p, lo, hi in pieces]
     return max(po.list_schedule(c, [0.0] * n_sms))
 
 
@@ -130,7 +130,7 @@ def test_split_tail_bounds_do_not_change_the_plan(seed):
         if k > n:
             continue
         for s in (d for d in range(1, group) if group % d == 0):
-            tail = [(c - 1) * s / group + po.PIECE_OVERHEAD_BLOCKS for c in seq[n - k:] for _ in range(group // s)]
+            tail = [po.piece_cost(c, s, group) for c in seq[n - k:] for _ in range(group // s)]
             finish = max(po.list_schedule(seq[: n - k] + tail, [0.0] * n_sms))
             if finish < best:
                 best, plan = finish, (k, s)

@@ -143,6 +143,13 @@ def _trace() -> bool:
 last_trace: dict | None = None  # MAGI_GLUON_BWD_TRACE=1: the last launch's per-program record
 
 
+def decode_piece(value):
+    """(program id ``head * n_tiles + tile``, g_lo, g_hi) of a trace record's first field, the
+    kernel's ``prog + (g_lo | g_hi << 16) << 32`` (ints or int64 tensors alike)."""
+    heads = value >> 32
+    return value & 0xFFFFFFFF, heads & 0xFFFF, heads >> 16
+
+
 def _scores() -> str:
     """``MAGI_GLUON_BWD_SCORES=kq/qk`` (default kq): the orientation of the score matmuls.
     ``qk``: S = Q K^T, P and dS through shared memory to the dK/dV matmuls; ``kq``: S^T = K Q^T,
@@ -174,15 +181,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def order_band(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int) -> int:
-    """How many of the last KV heads run tile-major (1 = head-major) for tiles of ``work``."""
+def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) -> int:
+    """How many of the last KV heads run tile-major (1 = head-major) for tiles of ``costs``
+    (``program_order.tile_costs``)."""
     if mode == "head":
         return 1
     if mode == "tile":
         return n_heads
     if isinstance(mode, int):
         return min(mode, n_heads)
-    return program_order.choose_band(program_order.tile_costs(work, block_rows), n_heads, n_sms)
+    return program_order.choose_band(costs, n_heads, n_sms)
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,7 +199,7 @@ def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | in
     """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
     piece covers fewer than ``group`` query heads)."""
     costs = program_order.tile_costs(work, block_rows)
-    band = order_band(work, n_heads, n_sms, mode, block_rows)
+    band = order_band(costs, n_heads, n_sms, mode)
     order = program_order.band_order(len(work), n_heads, band)
     pieces = (program_order.split_tail(order, costs, len(work), n_sms, group) if split
               else [(p, 0, group) for p in order])

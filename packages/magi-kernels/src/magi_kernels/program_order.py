@@ -32,6 +32,8 @@ from collections.abc import Iterable, Sequence
 # splitting the tail's programs into pieces of fewer query heads (``split_tail``) must shorten the
 # simulated finish by at least this much: the pieces add their dK/dV with atomics
 SPLIT_GAIN = 0.01
+# a program's fixed cost in query blocks: its K/V load and dK/dV write-out (``tile_costs``)
+TILE_OVERHEAD_BLOCKS = 1.0
 # a piece's fixed cost in query blocks: the K/V load, the pipeline fill, the dK/dV atomics
 PIECE_OVERHEAD_BLOCKS = 1.5
 # a simulated tail this close to longest-first's is not worth giving up L2 locality for (v11:
@@ -100,13 +102,19 @@ def choose_band(costs: Sequence[float], n_heads: int, n_sms: int, tolerance: flo
     return n_heads
 
 
-def tile_costs(work: Sequence[int], block_rows: int, overhead_blocks: float = 1.0) -> list[float]:
+def tile_costs(work: Sequence[int], block_rows: int, overhead_blocks: float = TILE_OVERHEAD_BLOCKS) -> list[float]:
     """Per-tile cost in query blocks: each tile's visible query rows over ``block_rows``, plus a
     fixed ``overhead_blocks`` for its K/V load and dK/dV write-out."""
     return [w / block_rows + overhead_blocks for w in work]
 
 
 Piece = tuple[int, int, int]  # (program id, first query head of the GQA group, end head)
+
+
+def piece_cost(cost: float, heads: int, group: int) -> float:
+    """Cost of a piece over ``heads`` of the ``group`` query heads of a program costing
+    ``cost`` (``tile_costs``): its share of the program's blocks plus its own fixed cost."""
+    return (cost - TILE_OVERHEAD_BLOCKS) * heads / group + PIECE_OVERHEAD_BLOCKS
 
 
 def _finish_below(costs: Iterable[float], free: list[float], limit: float) -> float:
@@ -133,8 +141,7 @@ def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms:
 
     Equal programs leave the last wave part-empty: at 16k full, 1024 programs on 132 SMs are
     7.76 waves, and 24 % of the SMs idle through the eighth (3 % of the launch, v14 traces).
-    A piece of s heads costs ``(cost - 1) * s / group + PIECE_OVERHEAD_BLOCKS`` (``cost`` from
-    ``tile_costs``, which counts one block for the program's own K/V load and write-out)."""
+    A piece of s heads costs ``piece_cost(cost, s, group)``."""
     whole = [(p, 0, group) for p in order]
     n = len(order)
     if group < 2 or n == 0:
@@ -152,12 +159,12 @@ def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms:
         if k > n:
             continue
         free_k = list_schedule(costs[n - k_max: n - k], list(prefix))
-        busy, tail = sum(free_k), sum(costs[n - k:]) - k
+        busy, tail = sum(free_k), sum(costs[n - k:]) - k * TILE_OVERHEAD_BLOCKS
         for s in (d for d in range(1, group) if group % d == 0):
             # bounds first: the SMs still busy, and the work spread evenly
             if max(max(free_k), (busy + tail + k * group // s * PIECE_OVERHEAD_BLOCKS) / n_sms) >= best:
                 continue
-            piece = ((c - 1) * s / group + PIECE_OVERHEAD_BLOCKS for c in costs[n - k:] for _ in range(group // s))
+            piece = (piece_cost(c, s, group) for c in costs[n - k:] for _ in range(group // s))
             finish = _finish_below(piece, list(free_k), best)
             if finish < best:
                 best, best_plan = finish, (k, s)
