@@ -30,8 +30,10 @@ SWEEP = {
     # the warp-specialised Gluon forward (sm90): BM,BN,STAGES,PARTS,PING; and off (Triton forward)
     "MAGI_GLUON_FWD_CFG": ["128,128,2,2,1", "128,128,2,2,0", "128,128,3,2,1", "128,128,2,1,0", "128,64,3,2,1"],
     "MAGI_GLUON_FWD": ["1", "0"],
+    "MAGI_GLUON_FWD_JOIN": ["1", "0"],  # the softmax in both branches of the partial-block test, or the mask alone
 }
-FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA", "MAGI_GLUON_FWD_CFG", "MAGI_GLUON_FWD"}
+FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA", "MAGI_GLUON_FWD_CFG", "MAGI_GLUON_FWD",
+            "MAGI_GLUON_FWD_JOIN"}
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
 
 

@@ -22,6 +22,8 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .env_config import env_config
@@ -55,6 +57,15 @@ def _config(d: int) -> tuple[int, int, int, int, int]:
     """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS,PING`` overrides the tuned config (tuning runs)."""
     return env_config("MAGI_GLUON_FWD_CFG", CONFIGS[d], "BM,BN,STAGES,PARTS,PING",
                       lambda v: v[3] in (1, 2) and v[4] in (0, 1), " with PARTS 1 or 2 and PING 0 or 1")  # type: ignore[return-value]
+
+
+def _join() -> bool:
+    """``MAGI_GLUON_FWD_JOIN=0/1`` (default 1): the softmax of a block in both branches of the
+    partial-block test (1) or the element mask alone in the branch (0, the v8-v14 loop)."""
+    raw = os.environ.get("MAGI_GLUON_FWD_JOIN", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"MAGI_GLUON_FWD_JOIN must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def tile_rows(d: int) -> int:
@@ -135,31 +146,54 @@ if AVAILABLE:
             mbarrier.arrive(turn_bars.index(1 - PART))
 
     @gluon.jit
-    def _softmax(sc, t, kb, m_i, l_i, rows, lo, hi, b1, b2, qk_scale, cap_in, cap_out,
-                 s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
-        """Online-softmax step of block ``t`` (keys from ``kb``): probabilities, new max and sum,
-        and the rescale factor of the accumulator."""
+    def _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out, s_layout: gl.constexpr,
+                 BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, MASK: gl.constexpr):
+        """Online-softmax step of a block (keys from ``kb``): probabilities, new max and sum,
+        and the rescale factor of the accumulator. The element mask: MASK 0 never, 1 always,
+        2 where ``partial`` (a runtime branch around the mask alone)."""
         if HAS_SOFTCAP:
             x = cap_out * (1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0))
             scale = 1.0
         else:  # scale inside the exponent: one FFMA per score (max of the raw scores, scale > 0)
             x = sc
             scale = qk_scale
-        if (t < b1) | (t >= b2):  # partial block: element mask
+        if MASK == 1 or (MASK == 2 and partial):
             cols = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
             x = gl.where(vis, x, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(x, 1) * scale)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(gl.max(gl.reshape(x, [x.shape[0], BN // 8, 8]), 1), 1), row_layout) * scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows without a visible key yet
         p = gl.exp2(x * scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+        return p, m_new, l_i * alpha + gl.convert_layout(gl.sum(gl.sum(gl.reshape(p, [x.shape[0], BN // 8, 8]), 1), 1), row_layout), alpha
+
+    @gluon.jit
+    def _block_softmax(sc, t, kb, m_i, l_i, lo, hi, b1, b2, qk_scale, cap_in, cap_out,
+                       s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, JOIN: gl.constexpr):
+        """``_softmax`` of block ``t``, element-masked when the block is partial (outside the
+        full run [b1, b2)). JOIN: each branch holds a whole softmax, so the wait for the
+        previous P V that follows sits after the branches' join, where ptxas cannot hoist it
+        above the softmax. With the mask alone in the branch (JOIN 0) ptxas placed that wait
+        right after the branch, before the row max: P V no longer overlapped the softmax."""
+        partial = (t < b1) | (t >= b2)
+        if JOIN:
+            if partial:
+                p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
+                                                  s_layout, BN, HAS_SOFTCAP, 1)
+            else:
+                p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
+                                                  s_layout, BN, HAS_SOFTCAP, 0)
+        else:
+            p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
+                                              s_layout, BN, HAS_SOFTCAP, 2)
+        return p, m_new, l_new, alpha
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
                   qk_scale, cap_in, cap_out, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr):
+                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr):
         """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of the tile, R = BM / PARTS,
         in 4*(2/PARTS) warps. The tile's member bounds (and so the block walk) are shared with
         the loader and the other consumer."""
@@ -195,8 +229,8 @@ if AVAILABLE:
                 _pass_turn(turn_bars, PART, PINGPONG)
                 c += 1
                 sc = warpgroup_mma_wait(0, deps=(sc,))
-                p, m_i, l_i, alpha = _softmax(sc, 0, k_lo, m_i, l_i, rows, lo, hi, b1, b2, qk_scale, cap_in,
-                                              cap_out, s_layout, BN, HAS_SOFTCAP)
+                p, m_i, l_i, alpha = _block_softmax(sc, 0, k_lo, m_i, l_i, lo, hi, b1, b2, qk_scale, cap_in,
+                                                    cap_out, s_layout, BN, HAS_SOFTCAP, JOIN)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                 for t in range(1, n):
                     pop = gl.convert_layout(p.to(dtype), p_layout)
@@ -206,8 +240,8 @@ if AVAILABLE:
                     _pass_turn(turn_bars, PART, PINGPONG)
                     c += 1
                     sc = warpgroup_mma_wait(1, deps=(sc,))  # S done, P V may still run
-                    p, m_i, l_i, alpha = _softmax(sc, t, k_lo + t * BN, m_i, l_i, rows, lo, hi, b1, b2,
-                                                  qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP)
+                    p, m_i, l_i, alpha = _block_softmax(sc, t, k_lo + t * BN, m_i, l_i, lo, hi, b1, b2,
+                                                        qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP, JOIN)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     mbarrier.arrive(empty_bars.index(j % STAGES))
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
@@ -242,7 +276,7 @@ if AVAILABLE:
     def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, qk_scale, cap_in, cap_out,
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr,
-                       PING: gl.constexpr):
+                       PING: gl.constexpr, JOIN: gl.constexpr):
         pid = gl.program_id(0)
         h = pid % HQ
         tile = TILES + (pid // HQ) * 4
@@ -273,14 +307,14 @@ if AVAILABLE:
         if PARTS == 1:  # both warpgroups in one 8-warp partition
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING, JOIN)),
                 (_loader, loader_args)], [1], [LOADER_REGS])
         else:  # one partition per warpgroup: they synchronise only through the mbarriers
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING, JOIN)),
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING, JOIN)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def launch(q, k, v, out, lse, meta, tiles, members, n_tiles, qk_scale, cap_in, cap_out, softcap, accum):
@@ -291,5 +325,6 @@ if AVAILABLE:
         _fwd_ws_kernel[(n_tiles * hq,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq,
             qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
-            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), num_warps=8 // parts, maxnreg=MAX_REGS,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), num_warps=8 // parts,
+            maxnreg=MAX_REGS,
         )
