@@ -6,6 +6,8 @@
 #   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
 #   ncu    Nsight Compute report of one Gluon backward launch (NCU_SEQLENS, NCU_MASKS), if ncu is there
+#   ncu_fwd Nsight Compute report of one magi and one cuDNN forward launch (bench/fwd_profile.py; NCU_SEQLENS,
+#          NCU_MASKS full/causal)
 #   timing the backward timed through autograd and directly, short and long windows (bench/bwd_timing_check.py)
 #   trace  per-program trace of one Gluon backward launch (bench/bwd_trace.py; TRACE_SEQLENS, TRACE_MASKS,
 #          TRACE_VARIANTS: "default" or VAR=value each): summaries in trace.jsonl, the raw records in
@@ -83,6 +85,20 @@ if has ncu; then
       cat /tmp/ncu_run.txt >> $OUT/ncu.txt
       grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issue Slots Busy" /tmp/ncu_run.txt | head -14
     done; done; done
+  fi
+fi
+if has ncu_fwd; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  if [ -z "$NCU" ]; then echo "ncu: not installed"; else
+    for S in ${NCU_SEQLENS:-16384}; do for M in ${NCU_MASKS:-full}; do
+      echo "=== ncu fwd $M $S" | tee -a $OUT/ncu_fwd.txt
+      timeout ${NCU_TIMEOUT:-150} $NCU -k regex:"fwd_ws|fprop|sdpa|cudnn" -s 2 -c 4 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        --section LaunchStats --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+        python3 bench/fwd_profile.py --seqlen $S --mask $M > /tmp/ncu_fwd_run.txt 2>&1
+      cat /tmp/ncu_fwd_run.txt >> $OUT/ncu_fwd.txt
+      grep -E "^  [a-z_]|Duration|SM Frequency|Compute \(SM\) Throughput|hmma_cycles|pipe_xu|inst_executed.sum|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Registers Per|Stall" /tmp/ncu_fwd_run.txt | head -40
+    done; done
   fi
 fi
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
