@@ -59,9 +59,10 @@ def test_forward_inner_loops_do_not_spill(tma):
 
 def test_gluon_forward_compiles_without_spills():
     """The warp-specialised Gluon forward at its default config: both consumer partitions'
-    block loops free of local-memory traffic, and at most a 16-byte stack frame (the softmax in
-    both branches of the partial-block test spills 3 member bounds, loaded once per member
-    outside the block loop; a larger frame would be per thread of 240-register warpgroups)."""
+    block loops free of local-memory traffic, and at most a 32-byte stack frame (the softmax in
+    both branches of the partial-block test and the KV-major program order spill a few member
+    bounds, loaded once per member outside the block loop; a larger frame would be per thread
+    of 240-register warpgroups)."""
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     if not gf.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
@@ -69,7 +70,7 @@ def test_gluon_forward_compiles_without_spills():
     regs, loops = kr.compile_report(kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping)),
                                     8 // parts, 1, maxnreg=gf.MAX_REGS)
     stack = next(int(f.split(":")[1]) for f in regs.split() if f.startswith("STACK:"))
-    assert stack <= 16, regs
+    assert stack <= 32, regs
     inner = _inner(loops)
     assert len(inner) == parts, inner  # one block loop per consumer partition
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner

@@ -77,6 +77,18 @@ def _poly() -> bool:
     return raw == "1"
 
 
+def _kv_major() -> bool:
+    """``MAGI_GLUON_FWD_ORDER=kv/tile`` (default kv): launch order of the (query tile, query
+    head) programs. ``kv``: the tiles of one KV head's query heads, then the next KV head, so
+    the ~132 resident programs read one KV head's K/V (16 MB at 32k tokens: it stays in L2);
+    ``tile`` (v8-v14): each tile for every head, so programs at different progress read every
+    KV head's K/V (128 MB at 32k, more than the 50 MB L2)."""
+    raw = os.environ.get("MAGI_GLUON_FWD_ORDER", "kv")
+    if raw not in ("kv", "tile"):
+        raise ValueError(f"MAGI_GLUON_FWD_ORDER must be 'kv' or 'tile', got {raw!r}")
+    return raw == "kv"
+
+
 def tile_rows(d: int) -> int:
     """Query rows per tile (the block of the tile tables the launch reads)."""
     return _config(d)[0]
@@ -318,13 +330,20 @@ if AVAILABLE:
         gl.store(lptr, lse, mask=rmask)
 
     @gluon.jit
-    def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, qk_scale, cap_in, cap_out,
+    def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, N_TILES, qk_scale, cap_in, cap_out,
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr,
-                       PING: gl.constexpr, JOIN: gl.constexpr, POLY: gl.constexpr):
+                       PING: gl.constexpr, JOIN: gl.constexpr, POLY: gl.constexpr, KV_MAJOR: gl.constexpr):
         pid = gl.program_id(0)
-        h = pid % HQ
-        tile = TILES + (pid // HQ) * 4
+        if KV_MAJOR:  # the tiles x group heads of one KV head, then the next KV head
+            per_kv = N_TILES * GROUP
+            r = pid % per_kv
+            h = (pid // per_kv) * GROUP + r % GROUP
+            t_idx = r // GROUP
+        else:  # each tile for every query head
+            h = pid % HQ
+            t_idx = pid // HQ
+        tile = TILES + t_idx * 4
         m0 = gl.load(tile)
         t_end = gl.load(tile + 1)
         first = gl.load(tile + 2)
@@ -368,8 +387,8 @@ if AVAILABLE:
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages, parts, ping = _config(d)
         _fwd_ws_kernel[(n_tiles * hq,)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq,
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq, n_tiles,
             qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
-            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), POLY=_poly(), num_warps=8 // parts,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), POLY=_poly(), KV_MAJOR=_kv_major(), num_warps=8 // parts,
             maxnreg=MAX_REGS,
         )
