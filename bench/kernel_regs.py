@@ -54,7 +54,7 @@ def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True, WS=False) -> ASTSource:
     return _source(tb._fwd_kernel, ptr, cst)
 
 
-def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=True, JOIN=True, POLY=False, KV_MAJOR=True) -> ASTSource:
+def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=True, JOIN=True, KV_MAJOR=True) -> ASTSource:
     """The warp-specialised Gluon forward (``magi_kernels.gluon_fwd``) with the bench's
     specialisation."""
     from triton.experimental.gluon import language as gl
@@ -68,7 +68,7 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
     ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "O": "*bf16", "LSE": "*fp32",
            "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "HQ": "i32", "N_TILES": "i32"} | {n: "fp32" for n in FLOATS[1:]}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, PARTS=PARTS, PING=PING,
-               JOIN=JOIN, POLY=POLY, KV_MAJOR=KV_MAJOR)
+               JOIN=JOIN, KV_MAJOR=KV_MAJOR)
     return _source(gf._fwd_ws_kernel, ptr, cst, GluonASTSource)
 
 

@@ -31,10 +31,10 @@ SWEEP = {
     "MAGI_GLUON_FWD_CFG": ["128,128,2,2,1", "128,128,2,2,0", "128,128,3,2,1", "128,128,2,1,0", "128,64,3,2,1"],
     "MAGI_GLUON_FWD": ["1", "0"],
     "MAGI_GLUON_FWD_JOIN": ["1", "0"],  # the softmax in both branches of the partial-block test, or the mask alone
-    "MAGI_GLUON_FWD_POLY": ["0", "1"],  # a quarter of a full block's exponentials on the FMA pipe
+    "MAGI_GLUON_FWD_ORDER": ["kv", "tile"],  # KV-major or tile-major launch order of the forward's programs
 }
 FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA", "MAGI_GLUON_FWD_CFG", "MAGI_GLUON_FWD",
-            "MAGI_GLUON_FWD_JOIN", "MAGI_GLUON_FWD_POLY"}
+            "MAGI_GLUON_FWD_JOIN", "MAGI_GLUON_FWD_ORDER"}
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
 
 

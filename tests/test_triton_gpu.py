@@ -111,19 +111,19 @@ def test_triton_token_offsets_beyond_int32():
     assert q.grad[:lo].abs().max() == 0 and k.grad[b:].abs().max() == 0
 
 
-@pytest.mark.parametrize("cfg", ["", "128,128,2,1,0", "128,128,2,2,1", "128,128,2,2,0", "128,64,3,2,1", "join0", "poly"])
+@pytest.mark.parametrize("cfg", ["", "128,128,2,1,0", "128,128,2,2,1", "128,128,2,2,0", "128,64,3,2,1", "join0", "tile"])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     """The warp-specialised Gluon forward (the default on sm90 at d=128) in each consumer
     layout and ring depth, with the mask alone in the partial-block branch
-    (``MAGI_GLUON_FWD_JOIN=0``) and with a quarter of the exponentials on the FMA pipe
-    (``MAGI_GLUON_FWD_POLY=1``), against the float64 reference; the Triton forward must agree."""
+    (``MAGI_GLUON_FWD_JOIN=0``) and in the tile-major launch order (``MAGI_GLUON_FWD_ORDER=tile``),
+    against the float64 reference; the Triton forward must agree."""
     from magi_kernels import triton_backend as tb
 
     if cfg == "join0":
         monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
-    elif cfg == "poly":
-        monkeypatch.setenv("MAGI_GLUON_FWD_POLY", "1")
+    elif cfg == "tile":
+        monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
     elif cfg:
         monkeypatch.setenv("MAGI_GLUON_FWD_CFG", cfg)
     slices, S = _ragged_cases()[case]

@@ -68,15 +68,6 @@ def _join() -> bool:
     return raw == "1"
 
 
-def _poly() -> bool:
-    """``MAGI_GLUON_FWD_POLY=0/1`` (default 0): a quarter of a full block's exponentials on
-    the FMA pipe (a degree-3 polynomial) instead of the MUFU unit (with JOIN only)."""
-    raw = os.environ.get("MAGI_GLUON_FWD_POLY", "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"MAGI_GLUON_FWD_POLY must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
 def _kv_major() -> bool:
     """``MAGI_GLUON_FWD_ORDER=kv/tile`` (default kv): launch order of the (query tile, query
     head) programs. ``kv``: the tiles of one KV head's query heads, then the next KV head, so
@@ -167,44 +158,11 @@ if AVAILABLE:
             mbarrier.arrive(turn_bars.index(1 - PART))
 
     @gluon.jit
-    def _exp2_fma(y):
-        """2^y on the FMA pipe, for finite y <= 0 (FA4's trick: the MUFU unit, 16 results per
-        clock per SM, is what bounds the softmax). y = j + f with j = round(y) (the 1.5 * 2^23
-        shift leaves j in the low mantissa bits), 2^f on [-0.5, 0.5] by a degree-3 polynomial
-        (relative error 7.7e-5, against bf16's 3.9e-3), j added to the exponent bits. Below
-        -126 the result is at most 2^-126 instead of 0 (a full block's rows all have a
-        finite maximum, so no probability there is meant to be exactly 0)."""
-        y = gl.maximum(y, -126.0)
-        t = y + 12582912.0
-        f = y - (t - 12582912.0)
-        q = ((0.055088821798563004 * f + 0.24260465800762177) * f + 0.6932762861251831) * f + 0.999928891658783
-        # t's bits are those of 1.5 * 2^23 plus j; shifted by 23 only j << 23 remains (mod 2^32)
-        bits = q.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _exp2_mixed(y, BN: gl.constexpr):
-        """2^y of a full block's scores [R, BN]: a quarter of each thread's values (every other
-        even column) on the FMA pipe (``_exp2_fma``), the rest on the MUFU unit. The splits
-        keep values in their threads: each thread holds column pairs (2c, 2c+1), and within
-        the even half, bit 5 of the column index is a register index."""
-        R: gl.constexpr = y.shape[0]
-        ye, yo = gl.split(gl.reshape(y, [R, BN // 2, 2]))
-        ya, yb = gl.split(gl.permute(gl.reshape(ye, [R, 2, BN // 4]), (0, 2, 1)))
-        po = gl.exp2(yo)
-        pa = gl.exp2(ya)
-        pe = gl.reshape(gl.permute(gl.join(pa, _exp2_fma(yb)), (0, 2, 1)), [R, BN // 2])
-        # (the layout conversions only restate the same register map: no data moves)
-        p = gl.reshape(gl.join(gl.convert_layout(pe, po.type.layout), po), [R, BN])
-        return gl.convert_layout(p, y.type.layout)
-
-    @gluon.jit
     def _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out, s_layout: gl.constexpr,
-                 BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, MASK: gl.constexpr, POLY: gl.constexpr):
+                 BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, MASK: gl.constexpr):
         """Online-softmax step of a block (keys from ``kb``): probabilities, new max and sum,
         and the rescale factor of the accumulator. The element mask: MASK 0 never, 1 always,
-        2 where ``partial`` (a runtime branch around the mask alone). POLY (full blocks only):
-        a quarter of the exponentials on the FMA pipe (``_exp2_mixed``)."""
+        2 where ``partial`` (a runtime branch around the mask alone)."""
         if HAS_SOFTCAP:
             x = cap_out * (1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0))
             scale = 1.0
@@ -217,17 +175,13 @@ if AVAILABLE:
             x = gl.where(vis, x, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(x, 1) * scale)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows without a visible key yet
-        if POLY and MASK == 0:
-            p = _exp2_mixed(x * scale - m_use[:, None], BN)
-        else:
-            p = gl.exp2(x * scale - m_use[:, None])
+        p = gl.exp2(x * scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
     @gluon.jit
     def _block_softmax(sc, t, kb, m_i, l_i, lo, hi, b1, b2, qk_scale, cap_in, cap_out,
-                       s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, JOIN: gl.constexpr,
-                       POLY: gl.constexpr):
+                       s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, JOIN: gl.constexpr):
         """``_softmax`` of block ``t``, element-masked when the block is partial (outside the
         full run [b1, b2)). JOIN: each branch holds a whole softmax, so the wait for the
         previous P V that follows sits after the branches' join, where ptxas cannot hoist it
@@ -237,20 +191,20 @@ if AVAILABLE:
         if JOIN:
             if partial:
                 p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
-                                                  s_layout, BN, HAS_SOFTCAP, 1, POLY)
+                                                  s_layout, BN, HAS_SOFTCAP, 1)
             else:
                 p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
-                                                  s_layout, BN, HAS_SOFTCAP, 0, POLY)
+                                                  s_layout, BN, HAS_SOFTCAP, 0)
         else:
             p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
-                                              s_layout, BN, HAS_SOFTCAP, 2, POLY)
+                                              s_layout, BN, HAS_SOFTCAP, 2)
         return p, m_new, l_new, alpha
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
                   qk_scale, cap_in, cap_out, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr, POLY: gl.constexpr):
+                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr):
         """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of the tile, R = BM / PARTS,
         in 4*(2/PARTS) warps. The tile's member bounds (and so the block walk) are shared with
         the loader and the other consumer."""
@@ -287,7 +241,7 @@ if AVAILABLE:
                 c += 1
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p, m_i, l_i, alpha = _block_softmax(sc, 0, k_lo, m_i, l_i, lo, hi, b1, b2, qk_scale, cap_in,
-                                                    cap_out, s_layout, BN, HAS_SOFTCAP, JOIN, POLY)
+                                                    cap_out, s_layout, BN, HAS_SOFTCAP, JOIN)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                 for t in range(1, n):
                     pop = gl.convert_layout(p.to(dtype), p_layout)
@@ -298,7 +252,7 @@ if AVAILABLE:
                     c += 1
                     sc = warpgroup_mma_wait(1, deps=(sc,))  # S done, P V may still run
                     p, m_i, l_i, alpha = _block_softmax(sc, t, k_lo + t * BN, m_i, l_i, lo, hi, b1, b2,
-                                                        qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP, JOIN, POLY)
+                                                        qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP, JOIN)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     mbarrier.arrive(empty_bars.index(j % STAGES))
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
@@ -333,7 +287,7 @@ if AVAILABLE:
     def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, N_TILES, qk_scale, cap_in, cap_out,
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr,
-                       PING: gl.constexpr, JOIN: gl.constexpr, POLY: gl.constexpr, KV_MAJOR: gl.constexpr):
+                       PING: gl.constexpr, JOIN: gl.constexpr, KV_MAJOR: gl.constexpr):
         pid = gl.program_id(0)
         if KV_MAJOR:  # the tiles x group heads of one KV head, then the next KV head
             per_kv = N_TILES * GROUP
@@ -371,14 +325,14 @@ if AVAILABLE:
         if PARTS == 1:  # both warpgroups in one 8-warp partition
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING, JOIN, POLY)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING, JOIN)),
                 (_loader, loader_args)], [1], [LOADER_REGS])
         else:  # one partition per warpgroup: they synchronise only through the mbarriers
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING, JOIN, POLY)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING, JOIN)),
                 (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING, JOIN, POLY)),
+                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING, JOIN)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def launch(q, k, v, out, lse, meta, tiles, members, n_tiles, qk_scale, cap_in, cap_out, softcap, accum):
@@ -389,6 +343,6 @@ if AVAILABLE:
         _fwd_ws_kernel[(n_tiles * hq,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq, n_tiles,
             qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
-            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), POLY=_poly(), KV_MAJOR=_kv_major(), num_warps=8 // parts,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), KV_MAJOR=_kv_major(), num_warps=8 // parts,
             maxnreg=MAX_REGS,
         )
