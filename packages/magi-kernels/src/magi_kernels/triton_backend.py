@@ -21,7 +21,8 @@ blocks; dQ programs, one per (query tile, query head), loop over the visible key
 recomputed in both. With a single layer on each axis both kinds run in one launch.
 
 Tiles of a launch are ordered longest first, heads fastest, so the heaviest work starts first
-and programs sharing K/V run side by side. Pointer offsets of the token axis are 64-bit.
+and programs sharing K/V run side by side (the Gluon forward launches them KV-major: each KV
+head's tiles x query heads in turn, see ``gluon_fwd``). Pointer offsets of the token axis are 64-bit.
 
 Importable without triton; ``AVAILABLE`` says whether it can run.
 """
