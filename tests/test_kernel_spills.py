@@ -106,18 +106,18 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
     assert gb._order_mode() == 3
     monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", "2")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1"):
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_DQ_FIRST must be one of '0', '1'"):
         gb._dq_first()
     monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "sq")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SCORES must be 'qk' or 'kq'"):
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SCORES must be one of 'qk', 'kq'"):
         gb._scores()
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "rows")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_WALK must be one of head, block"):
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_WALK must be one of 'head', 'block'"):
         gb._walk()
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
     assert gb._walk() == (True, True)
     monkeypatch.setenv("MAGI_GLUON_BWD_SPLIT", "yes")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SPLIT must be 0 or 1"):
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SPLIT must be one of '0', '1'"):
         gb._split()
     for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES", "MAGI_GLUON_BWD_WALK",
                  "MAGI_GLUON_BWD_SPLIT"):
@@ -127,3 +127,22 @@ def test_gluon_backward_env_choices_are_checked(monkeypatch):
     assert gb._config(128)[2] == gb.CONFIGS[128][2]
     monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
     assert gb._config(128)[2] == min(gb.CONFIGS[128][2], gb.QUERY_MAJOR_STAGES)
+    monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", "on")
+    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_ROTATE must be one of '0', '1'"):
+        gb._rotate()
+
+
+def test_gluon_forward_env_choices_are_checked(monkeypatch):
+    """The forward's switches: measured defaults (KV-major order, joined softmax) and clear
+    errors for bad values."""
+    gf = pytest.importorskip("magi_kernels.gluon_fwd")
+    assert gf._kv_major() and gf._join()
+    monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
+    monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
+    assert not gf._kv_major() and not gf._join()
+    monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "heads")
+    with pytest.raises(ValueError, match="MAGI_GLUON_FWD_ORDER must be one of 'kv', 'tile', got 'heads'"):
+        gf._kv_major()
+    monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "yes")
+    with pytest.raises(ValueError, match="MAGI_GLUON_FWD_JOIN must be one of '0', '1'"):
+        gf._join()

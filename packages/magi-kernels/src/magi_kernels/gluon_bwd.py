@@ -40,7 +40,7 @@ import os
 import torch
 
 from . import program_order
-from .env_config import env_config
+from .env_config import env_choice, env_config
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
 
 if AVAILABLE:
@@ -95,17 +95,14 @@ def _rotate() -> bool:
     """``MAGI_GLUON_BWD_ROTATE=0/1`` (default 1): whether each key tile starts at its diagonal
     query block (see ``epilogue_jit.query_block_order``; +4.5 % at 16k full, within 1 %
     elsewhere: docs/notes/kernel_measurements.md, v9)."""
-    return os.environ.get("MAGI_GLUON_BWD_ROTATE", "1") == "1"
+    return env_choice("MAGI_GLUON_BWD_ROTATE", "1", ("0", "1")) == "1"
 
 
 def _dq_first() -> bool:
     """``MAGI_GLUON_BWD_DQ_FIRST=0/1`` (default 0): 0 issues dK then dQ and waits for both;
     1 issues dQ first and writes it out while dK runs. (Leaving dK in flight into the next
     block makes ptxas serialise every wgmma of the loop: not offered.)"""
-    raw = os.environ.get("MAGI_GLUON_BWD_DQ_FIRST", "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"MAGI_GLUON_BWD_DQ_FIRST must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_choice("MAGI_GLUON_BWD_DQ_FIRST", "0", ("0", "1")) == "1"
 
 
 WALKS = ("head", "block", "head_rev", "block_rev")
@@ -117,9 +114,7 @@ def _walk() -> tuple[bool, bool]:
     reversed). ``head``: every block of one head of the GQA group, then the next head;
     ``block``: every head of one block, then the next block; ``_rev``: the blocks mirrored (a
     causal tile from its last rows back to its diagonal)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_WALK", "head")
-    if raw not in WALKS:
-        raise ValueError(f"MAGI_GLUON_BWD_WALK must be one of {', '.join(WALKS)}, got {raw!r}")
+    raw = env_choice("MAGI_GLUON_BWD_WALK", "head", WALKS)
     return raw.startswith("block"), raw.endswith("_rev")
 
 
@@ -127,17 +122,14 @@ def _split() -> bool:
     """``MAGI_GLUON_BWD_SPLIT=1/0`` (default 1): whether the launch's last programs may run as
     pieces of fewer GQA query heads, their dK/dV added with fp32 atomics
     (``program_order.split_tail``: the part-empty last wave of equal programs)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_SPLIT", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"MAGI_GLUON_BWD_SPLIT must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_choice("MAGI_GLUON_BWD_SPLIT", "1", ("0", "1")) == "1"
 
 
 def _trace() -> bool:
     """``MAGI_GLUON_BWD_TRACE=1``: each launch records every program's SM and start/end
     ``%globaltimer`` into ``last_trace`` (a profiling aid for ``bench/bwd_trace.py``; one int64
     store per program, off by default)."""
-    return os.environ.get("MAGI_GLUON_BWD_TRACE", "0") == "1"
+    return env_choice("MAGI_GLUON_BWD_TRACE", "0", ("0", "1")) == "1"
 
 
 last_trace: dict | None = None  # MAGI_GLUON_BWD_TRACE=1: the last launch's per-program record
@@ -154,10 +146,7 @@ def _scores() -> str:
     """``MAGI_GLUON_BWD_SCORES=kq/qk`` (default kq): the orientation of the score matmuls.
     ``qk``: S = Q K^T, P and dS through shared memory to the dK/dV matmuls; ``kq``: S^T = K Q^T,
     P^T and dS^T stay in registers as the dK/dV matmuls' A operands (see ``_consumer``)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_SCORES", "kq")
-    if raw not in ("qk", "kq"):
-        raise ValueError(f"MAGI_GLUON_BWD_SCORES must be 'qk' or 'kq', got {raw!r}")
-    return raw
+    return env_choice("MAGI_GLUON_BWD_SCORES", "kq", ("qk", "kq"))
 
 
 def _order_mode() -> str | int:

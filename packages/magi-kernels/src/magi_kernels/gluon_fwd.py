@@ -26,11 +26,9 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .env_config import env_config
+from .env_config import env_choice, env_config
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
 
 if AVAILABLE:
@@ -66,10 +64,7 @@ def _config(d: int) -> tuple[int, int, int, int, int]:
 def _join() -> bool:
     """``MAGI_GLUON_FWD_JOIN=0/1`` (default 1): the softmax of a block in both branches of the
     partial-block test (1) or the element mask alone in the branch (0, the v8-v14 loop)."""
-    raw = os.environ.get("MAGI_GLUON_FWD_JOIN", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"MAGI_GLUON_FWD_JOIN must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_choice("MAGI_GLUON_FWD_JOIN", "1", ("0", "1")) == "1"
 
 
 def _kv_major() -> bool:
@@ -78,10 +73,7 @@ def _kv_major() -> bool:
     the ~132 resident programs read one KV head's K/V (16 MB at 32k tokens: it stays in L2);
     ``tile`` (v8-v14): each tile for every head, so programs at different progress read every
     KV head's K/V (128 MB at 32k, more than the 50 MB L2)."""
-    raw = os.environ.get("MAGI_GLUON_FWD_ORDER", "kv")
-    if raw not in ("kv", "tile"):
-        raise ValueError(f"MAGI_GLUON_FWD_ORDER must be 'kv' or 'tile', got {raw!r}")
-    return raw == "kv"
+    return env_choice("MAGI_GLUON_FWD_ORDER", "kv", ("kv", "tile")) == "kv"
 
 
 def tile_rows(d: int) -> int:
