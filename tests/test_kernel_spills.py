@@ -97,52 +97,41 @@ def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq):
     assert all(lp["wgmma_waits"] <= 3 for lp in inner), inner  # S/dP, dP/dV, all: 3
 
 
-def test_gluon_backward_env_choices_are_checked(monkeypatch):
-    """Bad values of the backward's order switches name the variable and the choices."""
+# (module, switch, bad value, reader, start of the error message)
+BAD_SWITCHES = [
+    ("gluon_bwd", "MAGI_GLUON_BWD_ORDER", "rows", "_order_mode", "must be 'auto', 'head', 'tile' or a positive"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_DQ_FIRST", "2", "_dq_first", "must be one of '0', '1'"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_SCORES", "sq", "_scores", "must be one of 'qk', 'kq'"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_WALK", "rows", "_walk", "must be one of 'head', 'block'"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_SPLIT", "yes", "_split", "must be one of '0', '1'"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_ROTATE", "on", "_rotate", "must be one of '0', '1'"),
+    ("gluon_fwd", "MAGI_GLUON_FWD_ORDER", "heads", "_kv_major", "must be one of 'kv', 'tile', got 'heads'"),
+    ("gluon_fwd", "MAGI_GLUON_FWD_JOIN", "yes", "_join", "must be one of '0', '1'"),
+]
+
+
+@pytest.mark.parametrize("module,var,value,reader,message", BAD_SWITCHES)
+def test_gluon_env_switches_reject_bad_values(module, var, value, reader, message, monkeypatch):
+    """A bad value of a Gluon kernel switch is an error naming the variable and the choices."""
+    mod = pytest.importorskip(f"magi_kernels.{module}")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=f"{var} {message}"):
+        getattr(mod, reader)()
+
+
+def test_gluon_env_switch_defaults_and_values(monkeypatch):
+    """The measured defaults of the Gluon kernels' switches, and the values they select."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
-    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "rows")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_ORDER must be 'auto', 'head', 'tile' or a positive"):
-        gb._order_mode()
-    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
-    assert gb._order_mode() == 3
-    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", "2")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_DQ_FIRST must be one of '0', '1'"):
-        gb._dq_first()
-    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "sq")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SCORES must be one of 'qk', 'kq'"):
-        gb._scores()
-    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "rows")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_WALK must be one of 'head', 'block'"):
-        gb._walk()
-    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
-    assert gb._walk() == (True, True)
-    monkeypatch.setenv("MAGI_GLUON_BWD_SPLIT", "yes")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_SPLIT must be one of '0', '1'"):
-        gb._split()
-    for name in ("MAGI_GLUON_BWD_ORDER", "MAGI_GLUON_BWD_DQ_FIRST", "MAGI_GLUON_BWD_SCORES", "MAGI_GLUON_BWD_WALK",
-                 "MAGI_GLUON_BWD_SPLIT"):
-        monkeypatch.delenv(name)
-    assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"  # the measured defaults
-    assert gb._walk() == (False, False) and gb._split()
-    assert gb._config(128)[2] == gb.CONFIGS[128][2]
-    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
-    assert gb._config(128)[2] == min(gb.CONFIGS[128][2], gb.QUERY_MAJOR_STAGES)
-    monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", "on")
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_ROTATE must be one of '0', '1'"):
-        gb._rotate()
-
-
-def test_gluon_forward_env_choices_are_checked(monkeypatch):
-    """The forward's switches: measured defaults (KV-major order, joined softmax) and clear
-    errors for bad values."""
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
+    assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"
+    assert gb._walk() == (False, False) and gb._split() and gb._rotate()
     assert gf._kv_major() and gf._join()
+    assert gb._config(128)[2] == gb.CONFIGS[128][2]
+    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
+    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
     monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
     monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
+    assert gb._order_mode() == 3 and gb._walk() == (True, True)
     assert not gf._kv_major() and not gf._join()
-    monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "heads")
-    with pytest.raises(ValueError, match="MAGI_GLUON_FWD_ORDER must be one of 'kv', 'tile', got 'heads'"):
-        gf._kv_major()
-    monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "yes")
-    with pytest.raises(ValueError, match="MAGI_GLUON_FWD_JOIN must be one of '0', '1'"):
-        gf._join()
+    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
+    assert gb._config(128)[2] == min(gb.CONFIGS[128][2], gb.QUERY_MAJOR_STAGES)
