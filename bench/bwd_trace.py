@@ -113,7 +113,7 @@ def main() -> int:
             raise RuntimeError("the backward did not run the Gluon kernel (sm90 and d=128 needed)")
         rec = tr["record"].cpu().tolist()
         steps = steps_of(rec, tr["work"], tr["block_rows"])
-        split = sum(1 for row in rec if (lambda _p, lo, hi: hi - lo < hq // hk)(*decode_piece(row[0])))
+        split = sum(1 for _prog, lo, hi in (decode_piece(row[0]) for row in rec) if hi - lo < hq // hk)
         summary = {"mask": mask, "seqlen": S, "variant": args.variant, "split_pieces": split,
                    **summarize(rec, steps)}
         print(json.dumps(summary), flush=True)

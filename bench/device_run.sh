@@ -72,9 +72,10 @@ if has trace; then
   python3 -c "import json
 for l in open('$OUT/trace.jsonl'): r=json.loads(l); print(r['seqlen'], r['mask'][:14].ljust(14), r['variant'][14:].ljust(14), 'span', r['span_us'], 'busy', r['busy'], 'head', r['head_idle'], 'tail', r['tail_idle'], 'gaps', r['gaps'], 'us/step', r['per_step_us'], 'overhead us', r['per_program_overhead_us'])"
 fi
+# the Nsight Compute binary for the ncu stages (empty if not installed)
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 if has ncu; then
   # NCU_WALKS: MAGI_GLUON_BWD_WALK values to profile; all reports go to one file (8 files come back at most)
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "ncu: not installed"; else
     for S in ${NCU_SEQLENS:-16384 32768}; do for M in ${NCU_MASKS:-full}; do for W in ${NCU_WALKS:-head}; do
       echo "=== ncu $M $S walk=$W" | tee -a $OUT/ncu.txt
@@ -88,7 +89,6 @@ if has ncu; then
   fi
 fi
 if has ncu_fwd; then
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   if [ -z "$NCU" ]; then echo "ncu: not installed"; else
     for S in ${NCU_SEQLENS:-16384}; do for M in ${NCU_MASKS:-full}; do
       echo "=== ncu fwd $M $S" | tee -a $OUT/ncu_fwd.txt

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -54,18 +55,23 @@ def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True, WS=False) -> ASTSource:
     return _source(tb._fwd_kernel, ptr, cst)
 
 
+def _gluon_desc(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Signature type of a TMA descriptor argument of a Gluon kernel: a rows x cols box in the
+    shared layout the launches use (``gluon_common.shared_layout``)."""
+    from magi_kernels.gluon_common import shared_layout
+
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return f"tensordesc<{name}[{rows},{cols}],{shared_layout(rows, cols, dtype)!r}>"
+
+
 def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=True, JOIN=True, KV_MAJOR=True) -> ASTSource:
     """The warp-specialised Gluon forward (``magi_kernels.gluon_fwd``) with the bench's
     specialisation."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from magi_kernels import gluon_fwd as gf
 
-    def desc(rows):
-        return f"tensordesc<bf16[{rows},{D}],{gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)!r}>"
-
-    ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "O": "*bf16", "LSE": "*fp32",
+    ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D), "O": "*bf16", "LSE": "*fp32",
            "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "HQ": "i32", "N_TILES": "i32"} | {n: "fp32" for n in FLOATS[1:]}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, PARTS=PARTS, PING=PING,
                JOIN=JOIN, KV_MAJOR=KV_MAJOR)
@@ -76,16 +82,12 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FI
                      REVERSE=0, TRACE=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
     specialisation."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from magi_kernels import gluon_bwd as gb
 
-    def desc(rows, cols=D, dtype="bf16", gdt=gl.bfloat16):
-        return f"tensordesc<{dtype}[{rows},{cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
-
-    ptr = {"q_desc": desc(BM), "k_desc": desc(BN), "v_desc": desc(BN), "do_desc": desc(BM),
-           "dq_desc": desc(BM, D // 2, "fp32", gl.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
+    ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
+           "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
            "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
            "HQ": "i32", "TRACE_BUF": "*i64"}
     ptr |= {n: "fp32" for n in FLOATS}

@@ -19,22 +19,25 @@ from magi_attn.masks import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import triton_backend as tb
 
-SWEEP = {
+# the variables each pass reads, with the values swept (a variable of MAGI_SWEEP found in neither
+# is timed on the backward)
+SWEEP_FWD = {
     "MAGI_TRITON_FWD_CFG": ["128,64,8,3", "128,128,8,3", "128,64,8,4", "128,128,8,2", "64,64,4,3", "128,32,8,3"],
-    "MAGI_TRITON_BWD_CFG": ["64,128,8,3", "64,128,8,2", "32,128,8,3", "64,64,4,3", "32,128,4,3", "64,64,8,3"],
-    "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
     "MAGI_TRITON_WS": ["0", "1"],  # warp specialization of the forward's full-block loop
-    "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
     "MAGI_TRITON_TMA": ["0", "1"],  # TMA descriptor loads of full blocks (forward)
-    "MAGI_TRITON_DQ": ["split", "atomic", "tma"],  # dQ programs, or dQ added by the dK/dV programs
     # the warp-specialised Gluon forward (sm90): BM,BN,STAGES,PARTS,PING; and off (Triton forward)
     "MAGI_GLUON_FWD_CFG": ["128,128,2,2,1", "128,128,2,2,0", "128,128,3,2,1", "128,128,2,1,0", "128,64,3,2,1"],
     "MAGI_GLUON_FWD": ["1", "0"],
     "MAGI_GLUON_FWD_JOIN": ["1", "0"],  # the softmax in both branches of the partial-block test, or the mask alone
     "MAGI_GLUON_FWD_ORDER": ["kv", "tile"],  # KV-major or tile-major launch order of the forward's programs
 }
-FWD_VARS = {"MAGI_TRITON_FWD_CFG", "MAGI_TRITON_WS", "MAGI_TRITON_TMA", "MAGI_GLUON_FWD_CFG", "MAGI_GLUON_FWD",
-            "MAGI_GLUON_FWD_JOIN", "MAGI_GLUON_FWD_ORDER"}
+SWEEP_BWD = {
+    "MAGI_TRITON_BWD_CFG": ["64,128,8,3", "64,128,8,2", "32,128,8,3", "64,64,4,3", "32,128,4,3", "64,64,8,3"],
+    "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
+    "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
+    "MAGI_TRITON_DQ": ["split", "atomic", "tma"],  # dQ programs, or dQ added by the dK/dV programs
+}
+SWEEP = SWEEP_FWD | SWEEP_BWD
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
 
 
@@ -89,7 +92,7 @@ def main() -> int:
         for var in [v_ for v_ in args.kernels if v_ in sweep] + [v_ for v_ in sweep if v_ not in SWEEP]:
             for cfg in sweep[var]:
                 os.environ[var] = cfg
-                passes = ["fwd"] if var in FWD_VARS else ["bwd"]
+                passes = ["fwd"] if var in SWEEP_FWD else ["bwd"]
                 for which in passes:
                     if which == "fwd":
                         fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731

@@ -93,7 +93,7 @@ def _config(d: int) -> tuple[int, int, int]:
 
 def _rotate() -> bool:
     """``MAGI_GLUON_BWD_ROTATE=0/1`` (default 1): whether each key tile starts at its diagonal
-    query block (see ``epilogue_jit.query_block_order``; +4.5 % at 16k full, within 1 %
+    query block (see ``epilogue_jit.walk_start``; +4.5 % at 16k full, within 1 %
     elsewhere: docs/notes/kernel_measurements.md, v9)."""
     return env_choice("MAGI_GLUON_BWD_ROTATE", "1", ("0", "1")) == "1"
 
