@@ -79,7 +79,7 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
 
 
 def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FIRST=0, KQ=0, BLOCK_WALK=0,
-                     REVERSE=0, TRACE=0) -> ASTSource:
+                     REVERSE=0, PIECE_TMA=0, TRACE=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
     specialisation."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -87,12 +87,14 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FI
     from magi_kernels import gluon_bwd as gb
 
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
-           "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
+           "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),
+           "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
            "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
            "HQ": "i32", "TRACE_BUF": "*i64"}
     ptr |= {n: "fp32" for n in FLOATS}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, ROTATE=ROTATE,
-               DQ_FIRST=DQ_FIRST, KQ=KQ, BLOCK_WALK=BLOCK_WALK, REVERSE=REVERSE, TRACE=TRACE)
+               DQ_FIRST=DQ_FIRST, KQ=KQ, BLOCK_WALK=BLOCK_WALK, REVERSE=REVERSE, PIECE_TMA=PIECE_TMA,
+               TRACE=TRACE)
     return _source(gb._bwd_ws_kernel, ptr, cst, GluonASTSource)
 
 

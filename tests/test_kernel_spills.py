@@ -105,6 +105,8 @@ BAD_SWITCHES = [
     ("gluon_bwd", "MAGI_GLUON_BWD_WALK", "rows", "_walk", "must be one of 'head', 'block'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_SPLIT", "yes", "_split", "must be one of '0', '1'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_ROTATE", "on", "_rotate", "must be one of '0', '1'"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_PIECES", "two", "_pieces", "must be 0 or a divisor of the GQA group"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_PIECE_ADD", "red", "_piece_add", "must be one of 'atomic', 'tma'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_ORDER", "heads", "_kv_major", "must be one of 'kv', 'tile', got 'heads'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_JOIN", "yes", "_join", "must be one of '0', '1'"),
 ]
@@ -125,6 +127,7 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"
     assert gb._walk() == (False, False) and gb._split() and gb._rotate()
+    assert gb._pieces() == 0 and gb._piece_add() == "atomic"
     assert gf._kv_major() and gf._join()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")

@@ -139,3 +139,25 @@ def test_split_tail_bounds_do_not_change_the_plan(seed):
         k, s = plan
         expected = expected[: n - k] + [(p, g, g + s) for p in order[n - k:] for g in range(0, group, s)]
     assert po.split_tail(order, costs, n_tiles, n_sms, group) == expected
+
+
+@pytest.mark.parametrize("band", [1, 2, 4])
+@pytest.mark.parametrize("heads", [1, 2, 3, 6])
+def test_head_pieces_cover_every_program_and_head_once_in_head_chunk_order(band, heads):
+    """Every (program, query head) is in exactly one piece; within a KV head's run of tiles the
+    pieces go over one chunk of ``heads`` query heads for all the run's tiles before the next."""
+    n_tiles, n_heads, group = 5, 4, 6
+    order = po.band_order(n_tiles, n_heads, band)
+    pieces = po.head_pieces(order, n_tiles, group, heads)
+    covered = sorted((p, g) for p, lo, hi in pieces for g in range(lo, hi))
+    assert covered == sorted((p, g) for p in order for g in range(group))
+    assert all(hi - lo == heads for _, lo, hi in pieces)
+    first_head_major = pieces[: n_tiles * group // heads]  # KV head 0 runs head-major when band < n_heads
+    if band < n_heads:
+        assert [lo for _, lo, _ in first_head_major] == [g for g in range(0, group, heads) for _ in range(n_tiles)]
+        assert [p for p, _, _ in first_head_major] == list(range(n_tiles)) * (group // heads)
+
+
+def test_head_pieces_reject_a_size_that_does_not_divide_the_group():
+    with pytest.raises(ValueError, match="divide the GQA group"):
+        po.head_pieces([0, 1], 2, 6, 4)

@@ -209,8 +209,24 @@ def test_gluon_backward_unsplit_matches_dense(case, monkeypatch):
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
+@pytest.mark.parametrize("add", ["atomic", "tma"])
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+def test_gluon_backward_head_pieces_match_dense(case, add, monkeypatch):
+    """``MAGI_GLUON_BWD_PIECES=1``: every program as one-query-head pieces, each KV head's tiles
+    over one query head before the next, dK/dV added by atomics or by TMA reduce-adds of whole
+    [64, 64] boxes (rows past a tile's keys add zeros, ragged tiles end mid-box)."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_PIECES", "1")
+    monkeypatch.setenv("MAGI_GLUON_BWD_PIECE_ADD", add)
+    _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
+
+
+PIECE_VARIANTS = {"tail": {}, "tail_tma": {"MAGI_GLUON_BWD_PIECE_ADD": "tma"},
+                  "all_tma": {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"}}
+
+
+@pytest.mark.parametrize("variant", list(PIECE_VARIANTS))
 @pytest.mark.parametrize("mask", ["full", "causal"])
-def test_gluon_backward_mixed_pieces_match_whole_programs(mask, monkeypatch):
+def test_gluon_backward_mixed_pieces_match_whole_programs(mask, variant, monkeypatch):
     """A launch just over one wave (76 key tiles x 2 KV heads on the H200's 132 SMs): the full
     mask's plan runs the first programs whole and the rest as pieces, the causal one splits
     every program. The fp32 gradients (``ffa_backward`` itself: rounding them to bf16 would
@@ -232,13 +248,20 @@ def test_gluon_backward_mixed_pieces_match_whole_programs(mask, monkeypatch):
     monkeypatch.setenv("MAGI_GLUON_BWD_TRACE", "1")
     for split in ("1", "0"):
         monkeypatch.setenv("MAGI_GLUON_BWD_SPLIT", split)
+        for var, value in PIECE_VARIANTS[variant].items():
+            if split == "1":
+                monkeypatch.setenv(var, value)
+            else:
+                monkeypatch.delenv(var, raising=False)
         grads[split] = tb.ffa_backward(do, q, k, v, out, lse, torch.zeros_like(lse), qr, kr, tm, d ** -0.5, 0.0)
         _, g_lo, g_hi = gluon_bwd.decode_piece(gluon_bwd.last_trace["record"][:, 0].cpu())
         n_heads = g_hi - g_lo
-        if split == "1":  # full: 152 equal programs, the first whole; causal: all split (program_order's plan)
-            assert (n_heads < 3).any() and ((n_heads == 3).any() or mask == "causal"), "no split in the plan"
-        else:
+        if split == "0":
             assert (n_heads == 3).all()
+        elif variant == "all_tma":
+            assert (n_heads == 1).all()
+        else:  # full: 152 equal programs, the first whole; causal: all split (program_order's plan)
+            assert (n_heads < 3).any() and ((n_heads == 3).any() or mask == "causal"), "no split in the plan"
     for name, a, b in zip("qkv", grads["1"], grads["0"]):
         assert a.dtype == torch.float32
         err = ((a - b).abs().max() / b.abs().max()).item()

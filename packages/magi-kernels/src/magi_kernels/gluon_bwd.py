@@ -125,6 +125,23 @@ def _split() -> bool:
     return env_choice("MAGI_GLUON_BWD_SPLIT", "1", ("0", "1")) == "1"
 
 
+def _pieces() -> int:
+    """``MAGI_GLUON_BWD_PIECES=0/s`` (default 0): 0 runs whole programs (but for ``_split``'s
+    tail); s runs every program as pieces of s query heads, each KV head's tiles over one
+    chunk of s heads before the next (``program_order.head_pieces``; dK/dV by atomics)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "0")
+    if not raw.isdigit():
+        raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 0 or a divisor of the GQA group size, got {raw!r}")
+    return int(raw)
+
+
+def _piece_add() -> str:
+    """``MAGI_GLUON_BWD_PIECE_ADD=atomic/tma`` (default atomic): how a piece adds its dK/dV,
+    per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
+    dQ buffer."""
+    return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "atomic", ("atomic", "tma"))
+
+
 def _trace() -> bool:
     """``MAGI_GLUON_BWD_TRACE=1``: each launch records every program's SM and start/end
     ``%globaltimer`` into ``last_trace`` (a profiling aid for ``bench/bwd_trace.py``; one int64
@@ -184,14 +201,18 @@ def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) ->
 
 @functools.lru_cache(maxsize=256)
 def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
-                 split: bool, device: torch.device) -> tuple[torch.Tensor, bool]:
+                 split: bool, piece_heads: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
     piece covers fewer than ``group`` query heads)."""
     costs = program_order.tile_costs(work, block_rows)
     band = order_band(costs, n_heads, n_sms, mode)
     order = program_order.band_order(len(work), n_heads, band)
-    pieces = (program_order.split_tail(order, costs, len(work), n_sms, group) if split
-              else [(p, 0, group) for p in order])
+    if piece_heads:
+        pieces = program_order.head_pieces(order, len(work), group, piece_heads)
+    elif split:
+        pieces = program_order.split_tail(order, costs, len(work), n_sms, group)
+    else:
+        pieces = [(p, 0, group) for p in order]
     table = [(p, lo | hi << 16) for p, lo, hi in pieces]
     return torch.tensor(table, dtype=torch.int32).to(device), len(pieces) > len(order)
 
@@ -217,6 +238,22 @@ if AVAILABLE:
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
+
+    @gluon.jit
+    def _reduce_add_rows(desc, buf, x, row, col, W: gl.constexpr, DH: gl.constexpr):
+        """Add the [W, 2 DH] fp32 registers ``x`` into ``desc``'s tensor at (row, col) with two
+        TMA reduce-adds of [W, DH] through shared ``buf``. Rows of ``x`` past the tile's keys
+        are zeros (no query row sees them), so adding the whole box is exact; rows past the
+        tensor are dropped."""
+        lo, hi = gl.split(gl.permute(gl.reshape(x, [W, 2, DH]), (0, 2, 1)))
+        tma.store_wait(0)  # the previous reduce-add has read buf
+        buf.store(lo)
+        fence_async_shared()
+        _reduce_add(desc, [row, col], buf)
+        tma.store_wait(0)
+        buf.store(hi)
+        fence_async_shared()
+        _reduce_add(desc, [row, col + DH], buf)
 
     @gluon.jit
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
@@ -259,11 +296,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
-                  DK, DV, LSE2, DELTA,
+                  dk_desc, dv_desc, DK, DV, LSE2, DELTA,
                   META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
-                  KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PART: gl.constexpr):
+                  KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr,
+                  PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -421,8 +459,13 @@ if AVAILABLE:
         kmask = (krows < t_end)[:, None]
         dk = dk * scale
         if g_hi - g_lo < GROUP:  # a piece of the tile's heads: other pieces add into the same rows
-            gl.atomic_add(DK + ptr, dk, mask=kmask, sem="relaxed")
-            gl.atomic_add(DV + ptr, dv, mask=kmask, sem="relaxed")
+            if PIECE_TMA:  # bulk reduce-adds through this warpgroup's dQ staging buffer
+                _reduce_add_rows(dk_desc, my_dq, dk, n0 + PART * W, hk * D, W, DH)
+                _reduce_add_rows(dv_desc, my_dq, dv, n0 + PART * W, hk * D, W, DH)
+                tma.store_wait(0)
+            else:
+                gl.atomic_add(DK + ptr, dk, mask=kmask, sem="relaxed")
+                gl.atomic_add(DV + ptr, dv, mask=kmask, sem="relaxed")
         else:
             if ACCUM:  # later layers add to the earlier ones' dK/dV
                 dk += gl.load(DK + ptr, mask=kmask, other=0.0)
@@ -431,11 +474,12 @@ if AVAILABLE:
             gl.store(DV + ptr, dv, mask=kmask)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER,
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER,
                        N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
-                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, TRACE: gl.constexpr, TRACE_BUF):
+                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr, TRACE: gl.constexpr,
+                       TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
         HK = HQ // GROUP
@@ -484,13 +528,13 @@ if AVAILABLE:
 
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T,
-                         scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE,
-                         DQ_FIRST, KQ, BLOCK_WALK, REVERSE, 0)),
+                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk,
+                         g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP,
+                         ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T,
-                         scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, ROTATE,
-                         DQ_FIRST, KQ, BLOCK_WALK, REVERSE, 1)),
+                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk,
+                         g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP,
+                         ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP, BM, BN, D, STAGES,
                        ROTATE, KQ, BLOCK_WALK, REVERSE)),
@@ -526,7 +570,8 @@ if AVAILABLE:
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
-        order, split = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, hq // hk, _split(), q.device)
+        order, split = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
+                                    _pieces(), q.device)
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
@@ -535,11 +580,11 @@ if AVAILABLE:
         trace_buf = torch.zeros(len(order), 4, dtype=torch.int64, device=q.device) if trace else dq
         _bwd_ws_kernel[(len(order),)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
-            dk, dv, lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in,
+            dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2), dk, dv, lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in,
             cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
+            REVERSE=reverse, PIECE_TMA=_piece_add() == "tma", TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
         )
         if trace:
             global last_trace

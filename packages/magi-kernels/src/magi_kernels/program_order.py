@@ -172,3 +172,23 @@ def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms:
         return whole
     k, s = best_plan
     return whole[: n - k] + [(p, g, g + s) for p in order[n - k:] for g in range(0, group, s)]
+
+
+def head_pieces(order: Sequence[int], n_tiles: int, group: int, heads: int) -> list[Piece]:
+    """The launch as pieces of ``heads`` query heads each (``heads`` dividing ``group``), every
+    run of consecutive programs of one KV head in ``order`` walked query-head-chunk-major:
+    all its tiles over heads [0, heads), then over [heads, 2 heads), ... So the resident pieces
+    share one query head's Q/dO/dQ rows even where the tiles differ in length (a causal mask's
+    tiles drift apart across the GQA group's heads otherwise, v14), at the price of every
+    piece adding its dK/dV with atomics."""
+    if heads < 1 or group % heads:
+        raise ValueError(f"pieces of {heads} query heads must divide the GQA group of {group}")
+    pieces: list[Piece] = []
+    run: list[int] = []
+    for i, p in enumerate(order):
+        run.append(p)
+        if i + 1 == len(order) or order[i + 1] // n_tiles != p // n_tiles:
+            pieces += [(q, g, g + heads) for g in range(0, group, heads) for q in run]
+            run = []
+    return pieces
+
