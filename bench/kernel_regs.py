@@ -79,7 +79,7 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
 
 
 def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FIRST=0, KQ=0, BLOCK_WALK=0,
-                     REVERSE=0, PIECE_TMA=0, TRACE=0) -> ASTSource:
+                     REVERSE=0, PIECE_TMA=0, DQ_ATOMIC=0, TRACE=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
     specialisation."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -88,13 +88,13 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FI
 
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
            "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),
-           "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
+           "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DQ": "*fp32", "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
            "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
            "HQ": "i32", "TRACE_BUF": "*i64"}
     ptr |= {n: "fp32" for n in FLOATS}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, ROTATE=ROTATE,
                DQ_FIRST=DQ_FIRST, KQ=KQ, BLOCK_WALK=BLOCK_WALK, REVERSE=REVERSE, PIECE_TMA=PIECE_TMA,
-               TRACE=TRACE)
+               DQ_ATOMIC=DQ_ATOMIC, TRACE=TRACE)
     return _source(gb._bwd_ws_kernel, ptr, cst, GluonASTSource)
 
 
@@ -103,24 +103,38 @@ def triton_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+# an instruction of cuobjdump's listing: address, text, then the two 64-bit words of its encoding
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s*(.*?);\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*/\*\s*0x([0-9a-f]{16})\s*\*/")
+
+
+def stall_cycles(high_word: int) -> int:
+    """The stall count of an sm_90 instruction (bits 41-44 of its encoding's high word): the
+    cycles before the warp may issue its next instruction, whatever that one waits for. Summed
+    over a loop body it is one warp's issue floor per iteration (scoreboard waits come on top)."""
+    return (high_word >> 41) & 0xF
+
+
 def loops(sass: str) -> list[dict]:
     """Loops (backward branches) of a SASS listing that issue tensor-core instructions:
-    address range, instruction count, HGMMA, wgmma waits and local-memory (spill) loads/stores,
-    and whether the loop is innermost."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s*(.*?);", sass)]
+    address range, instruction count, HGMMA, wgmma waits, local-memory (spill) loads/stores,
+    the summed stall counts (``stall_cycles``) and barrier instructions, and whether the loop
+    is innermost."""
+    ins = [(int(m.group(1), 16), m.group(2), int(m.group(4), 16)) for m in _INSTRUCTION.finditer(sass)]
     spans = []
-    for addr, text in ins:
+    for addr, text, _ in ins:
         target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             spans.append((int(target.group(1), 16), addr))
     out = []
     for lo, hi in spans:
-        body = [t for a, t in ins if lo <= a <= hi]
-        n = lambda key: sum(key in t for t in body)  # noqa: E731
+        body = [(t, w) for a, t, w in ins if lo <= a <= hi]
+        n = lambda key: sum(key in t for t, _ in body)  # noqa: E731
         if n("HGMMA"):
             inner = not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)
             out.append(dict(start=lo, end=hi, instructions=len(body), hgmma=n("HGMMA"), ldl=n("LDL"),
-                            stl=n("STL"), wgmma_waits=n("WARPGROUP.DEPBAR"), innermost=inner))
+                            stl=n("STL"), wgmma_waits=n("WARPGROUP.DEPBAR"), innermost=inner,
+                            stalls=sum(stall_cycles(w) for _, w in body), mufu=n("MUFU"), bar=n("BAR."),
+                            syncs=n("SYNCS")))
     return out
 
 
@@ -161,7 +175,8 @@ def main(argv: list[str]) -> int:
         for lp in found:
             print(f"  {'inner' if lp['innermost'] else 'outer'} loop {lp['start']:x}-{lp['end']:x}: "
                   f"{lp['instructions']} instructions, HGMMA {lp['hgmma']} (waits {lp['wgmma_waits']}), "
-                  f"LDL {lp['ldl']}, STL {lp['stl']}",
+                  f"LDL {lp['ldl']}, STL {lp['stl']}, stall cycles {lp['stalls']}, MUFU {lp['mufu']}, "
+                  f"BAR {lp['bar']}, SYNCS {lp['syncs']}",
                   flush=True)
     return 0
 

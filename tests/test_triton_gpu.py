@@ -220,6 +220,15 @@ def test_gluon_backward_head_pieces_match_dense(case, add, monkeypatch):
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+def test_gluon_backward_register_dq_atomics_match_dense(case, softcap, monkeypatch):
+    """``MAGI_GLUON_BWD_DQ_ADD=atomic``: each step adds its dQ block with fp32 atomics from the
+    registers (rows past the tensor masked) instead of a TMA reduce-add from shared memory."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_ADD", "atomic")
+    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
+
+
 PIECE_VARIANTS = {"tail": {}, "tail_tma": {"MAGI_GLUON_BWD_PIECE_ADD": "tma"},
                   "all_tma": {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"}}
 

@@ -135,6 +135,14 @@ def _pieces() -> int:
     return int(raw)
 
 
+def _dq_add() -> str:
+    """``MAGI_GLUON_BWD_DQ_ADD=tma/atomic`` (default tma): how a step adds its dQ block, a TMA
+    bulk reduce-add staged through shared memory (a warpgroup barrier and a wait for the
+    previous add per step, 32 KB of shared-memory writes and reads per step and program) or
+    fp32 atomics straight from the registers."""
+    return env_choice("MAGI_GLUON_BWD_DQ_ADD", "tma", ("tma", "atomic"))
+
+
 def _piece_add() -> str:
     """``MAGI_GLUON_BWD_PIECE_ADD=atomic/tma`` (default atomic): how a piece adds its dK/dV,
     per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
@@ -296,12 +304,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
-                  dk_desc, dv_desc, DK, DV, LSE2, DELTA,
-                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out,
+                  dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA,
+                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
                   KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr,
-                  PART: gl.constexpr):
+                  DQ_ATOMIC: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -441,10 +449,18 @@ if AVAILABLE:
                         else:
                             dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
                         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-                    tma.store_wait(0)  # the previous block's reduce-add has read my_dq
-                    my_dq.store(dq * scale)
-                    fence_async_shared()
-                    _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
+                    if DQ_ATOMIC:  # from registers: no staging buffer to wait for, no warpgroup barrier
+                        # one scalar base and int32 offsets: the addresses become two row bases + immediates
+                        q_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
+                        q_cols = gl.arange(0, DH, layout=gl.SliceLayout(0, dq_layout))
+                        row_ptr = DQ + ((mb + q_rows).to(gl.int64) * HQ + h) * D + PART * DH
+                        gl.atomic_add(row_ptr[:, None] + q_cols[None, :], dq * scale,
+                                      mask=(q_rows < T - mb)[:, None], sem="relaxed")
+                    else:
+                        tma.store_wait(0)  # the previous block's reduce-add has read my_dq
+                        my_dq.store(dq * scale)
+                        fence_async_shared()
+                        _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
                     if DQ_FIRST:  # dK has read this block's Q and dS: release them
                         dk = warpgroup_mma_wait(0, deps=(dk,))
                         mbarrier.arrive(empty_bars.index(s))
@@ -474,11 +490,12 @@ if AVAILABLE:
             gl.store(DV + ptr, dv, mask=kmask)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER,
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER,
                        N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
-                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr, TRACE: gl.constexpr,
+                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                       TRACE: gl.constexpr,
                        TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
@@ -528,13 +545,13 @@ if AVAILABLE:
 
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk,
-                         g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP,
-                         ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, 0)),
+                         dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
+                         hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
+                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count, hk,
-                         g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP,
-                         ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, 1)),
+                         dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
+                         hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
+                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP, BM, BN, D, STAGES,
                        ROTATE, KQ, BLOCK_WALK, REVERSE)),
@@ -576,15 +593,21 @@ if AVAILABLE:
             dk.zero_()
             dv.zero_()
         block_walk, reverse = _walk()
+        piece_tma = _piece_add() == "tma"
+        if piece_tma and BN // 2 != BM:
+            raise ValueError(f"MAGI_GLUON_BWD_PIECE_ADD=tma stages a warpgroup's {BN // 2} key rows in the {BM}-row "
+                             f"dQ buffer: it needs BN = 2 BM (MAGI_GLUON_BWD_CFG), got BM={BM}, BN={BN}")
+        dq_d = dq_descriptor(dq, BM)
+        # (without PIECE_TMA the dK/dV descriptors are not read: dQ's stands in, no host work)
+        dk_d, dv_d = (dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2)) if piece_tma else (dq_d, dq_d)
         trace = _trace()
         trace_buf = torch.zeros(len(order), 4, dtype=torch.int64, device=q.device) if trace else dq
         _bwd_ws_kernel[(len(order),)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_descriptor(dq, BM),
-            dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2), dk, dv, lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in,
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dq, dk, dv, lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in,
             cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, PIECE_TMA=_piece_add() == "tma", TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
+            REVERSE=reverse, PIECE_TMA=piece_tma, DQ_ATOMIC=_dq_add() == "atomic", TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
         )
         if trace:
             global last_trace
