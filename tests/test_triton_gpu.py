@@ -229,6 +229,19 @@ def test_gluon_backward_register_dq_atomics_match_dense(case, softcap, monkeypat
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
 
 
+@pytest.mark.parametrize("scores,dq_first", [("kq", "0"), ("kq", "1"), ("qk", "1")])
+@pytest.mark.parametrize("sync", ["implied", "named"])
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+def test_gluon_backward_ds_syncs_match_dense(case, sync, scores, dq_first, monkeypatch):
+    """``MAGI_GLUON_BWD_DS_SYNC``: the dS exchange between the consumer warpgroups without the
+    buffer-release mbarrier (``implied``) or through a named barrier (``named``); a dS buffer
+    overwritten while the other warpgroup's dQ product still reads it would show here."""
+    monkeypatch.setenv("MAGI_GLUON_BWD_DS_SYNC", sync)
+    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", scores)
+    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
+    _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
+
+
 PIECE_VARIANTS = {"tail": {}, "tail_tma": {"MAGI_GLUON_BWD_PIECE_ADD": "tma"},
                   "all_tma": {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"}}
 

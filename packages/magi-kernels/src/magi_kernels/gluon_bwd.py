@@ -143,6 +143,25 @@ def _dq_add() -> str:
     return env_choice("MAGI_GLUON_BWD_DQ_ADD", "tma", ("tma", "atomic"))
 
 
+DS_SYNCS = ("mbarrier", "implied", "named")
+
+
+def _ds_sync() -> int:
+    """``MAGI_GLUON_BWD_DS_SYNC=mbarrier/implied/named`` (default mbarrier): how the two consumer
+    warpgroups exchange a step's dS halves (each computes dQ from both).
+
+    * ``mbarrier``: ``ds_full`` (both halves stored) and ``ds_empty`` (both dQ products of the
+      buffer's last step done) per double-buffered dS; Triton puts a warpgroup barrier before
+      and after every mbarrier operation, 4 per step here;
+    * ``implied``: no ``ds_empty``: a warpgroup's arrival on step j+1's ``ds_full`` already
+      comes after its step-j dQ (its steps run in order), and the buffer is reused at j+2;
+    * ``named``: no mbarriers: one ``bar.sync`` over both warpgroups' 256 threads (FA3's
+      named barrier) where the dQ product waits for dS, with the same reuse argument.
+
+    Returned as its index in ``DS_SYNCS`` (the kernel's constexpr)."""
+    return DS_SYNCS.index(env_choice("MAGI_GLUON_BWD_DS_SYNC", "mbarrier", DS_SYNCS))
+
+
 def _piece_add() -> str:
     """``MAGI_GLUON_BWD_PIECE_ADD=atomic/tma`` (default atomic): how a piece adds its dK/dV,
     per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
@@ -264,6 +283,15 @@ if AVAILABLE:
         _reduce_add(desc, [row, col + DH], buf)
 
     @gluon.jit
+    def _wait_ds(ds_full, phase, DS_SYNC: gl.constexpr):
+        """Wait until both consumer warpgroups have stored this step's dS (``_ds_sync``)."""
+        if DS_SYNC == 2:  # named barrier 15 (Triton's partitions use 0-2), both warpgroups' threads
+            gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            mbarrier.wait(ds_full, phase)
+
+    @gluon.jit
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
                 DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP: gl.constexpr, BM: gl.constexpr,
                 BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr,
@@ -309,7 +337,7 @@ if AVAILABLE:
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
                   KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr,
-                  DQ_ATOMIC: gl.constexpr, PART: gl.constexpr):
+                  DQ_ATOMIC: gl.constexpr, DS_SYNC: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -396,7 +424,8 @@ if AVAILABLE:
                         ds_a = gl.convert_layout(ds.to(dtype), a_layout)
                         if not DQ_FIRST:
                             dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)  # dK += dS^T Q
-                        mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                        if DS_SYNC == 0:
+                            mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
                         my_ds.store(ds.to(dtype))
                     else:
                         rows = mb + gl.arange(0, BM, layout=row_layout)
@@ -427,22 +456,25 @@ if AVAILABLE:
                         ds = p * (dp - delta[:, None])
                         if HAS_SOFTCAP:
                             ds = ds * (1.0 - th * th)
-                        mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
+                        if DS_SYNC == 0:
+                            mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
                         my_ds.permute((1, 0)).store(ds.to(dtype))
                     fence_async_shared()
-                    mbarrier.arrive(ds_full.index(b))
+                    if DS_SYNC != 2:
+                        mbarrier.arrive(ds_full.index(b))
                     zero_dq = gl.zeros([BM, DH], gl.float32, dq_layout)
                     if not DQ_FIRST:
                         if not KQ:
                             dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
-                        mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                        _wait_ds(ds_full.index(b), (j // 2) & 1, DS_SYNC)
                         dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
                                            is_async=True)  # dQ[:, my half] = dS K
                         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
                         mbarrier.arrive(empty_bars.index(s))
-                        mbarrier.arrive(ds_empty.index(b))
+                        if DS_SYNC == 0:
+                            mbarrier.arrive(ds_empty.index(b))
                     else:  # dQ first: its epilogue below runs while dK is on the tensor cores
-                        mbarrier.wait(ds_full.index(b), (j // 2) & 1)
+                        _wait_ds(ds_full.index(b), (j // 2) & 1, DS_SYNC)
                         dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
                         if KQ:
                             dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
@@ -450,7 +482,7 @@ if AVAILABLE:
                             dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
                         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
                     if DQ_ATOMIC:  # from registers: no staging buffer to wait for, no warpgroup barrier
-                        # one scalar base and int32 offsets: the addresses become two row bases + immediates
+                        # (ptxas keeps a 64-bit address per column pair however the offsets are written)
                         q_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
                         q_cols = gl.arange(0, DH, layout=gl.SliceLayout(0, dq_layout))
                         row_ptr = DQ + ((mb + q_rows).to(gl.int64) * HQ + h) * D + PART * DH
@@ -464,7 +496,8 @@ if AVAILABLE:
                     if DQ_FIRST:  # dK has read this block's Q and dS: release them
                         dk = warpgroup_mma_wait(0, deps=(dk,))
                         mbarrier.arrive(empty_bars.index(s))
-                        mbarrier.arrive(ds_empty.index(b))
+                        if DS_SYNC == 0:
+                            mbarrier.arrive(ds_empty.index(b))
                     j += 1
         tma.store_wait(0)
 
@@ -495,7 +528,7 @@ if AVAILABLE:
                        BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                        ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
                        BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                       TRACE: gl.constexpr,
+                       DS_SYNC: gl.constexpr, TRACE: gl.constexpr,
                        TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
@@ -547,11 +580,13 @@ if AVAILABLE:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
                          hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
-                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC, 0)),
+                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC,
+                         DS_SYNC, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
                          hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
-                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC, 1)),
+                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC,
+                         DS_SYNC, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP, BM, BN, D, STAGES,
                        ROTATE, KQ, BLOCK_WALK, REVERSE)),
@@ -607,7 +642,8 @@ if AVAILABLE:
             cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, PIECE_TMA=piece_tma, DQ_ATOMIC=_dq_add() == "atomic", TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
+            REVERSE=reverse, PIECE_TMA=piece_tma, DQ_ATOMIC=_dq_add() == "atomic",
+            DS_SYNC=_ds_sync(), TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
         )
         if trace:
             global last_trace
