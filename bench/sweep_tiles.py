@@ -36,9 +36,36 @@ SWEEP_BWD = {
     "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
     "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
     "MAGI_TRITON_DQ": ["split", "atomic", "tma"],  # dQ programs, or dQ added by the dK/dV programs
+    # the Gluon backward's opt-in variants (v16, unmeasured when written)
+    "MAGI_GLUON_BWD_PIECES": ["0", "1", "2", "3"],  # every program as pieces of that many query heads
+    "MAGI_GLUON_BWD_PIECE_ADD": ["atomic", "tma"],  # how pieces add their dK/dV
+    "MAGI_GLUON_BWD_DQ_ADD": ["tma", "atomic"],  # dQ by a staged TMA reduce-add or register atomics
+    "MAGI_GLUON_BWD_DS_SYNC": ["mbarrier", "implied", "named"],  # the dS exchange between warpgroups
 }
 SWEEP = SWEEP_FWD | SWEEP_BWD
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep
+# "default;VAR=a,VAR2=b;VAR=c": settings of several variables at once, timed in this order
+# (after MAGI_SWEEP's), e.g. an A/B of combinations alternated twice
+SETS_FROM_ENV = os.environ.get("MAGI_SWEEP_SETS")
+
+
+def parse_sets(text: str) -> list[dict[str, str]]:
+    """``MAGI_SWEEP_SETS`` as a list of {variable: value} ("default": none set)."""
+    sets = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        if item == "default":
+            sets.append({})
+            continue
+        pairs = [kv.split("=", 1) for kv in item.split(",")]
+        if any(len(kv) != 2 or not kv[0] for kv in pairs):
+            raise ValueError(f"MAGI_SWEEP_SETS: {item!r} is not 'default' or VAR=value[,VAR=value...]")
+        sets.append(dict(pairs))
+    return sets
+
+
+def set_pass(settings: dict[str, str]) -> str:
+    """The pass a setting times: the forward when every variable is a forward one."""
+    return "fwd" if settings and all(v in SWEEP_FWD for v in settings) else "bwd"
 
 
 def profile(mask: str, fwd, bwd) -> None:
@@ -71,8 +98,13 @@ def main() -> int:
     p.add_argument("--rep-ms", type=int, default=150, help="timing window per config (longer: less noise)")
     args = p.parse_args()
     sweep = dict(SWEEP)
-    if SWEEP_FROM_ENV:
-        sweep = {kv.split("=")[0]: kv.split("=")[1].split(";") for kv in SWEEP_FROM_ENV.split()}
+    if SWEEP_FROM_ENV or SETS_FROM_ENV:  # either replaces the default sweep
+        sweep = {kv.split("=")[0]: kv.split("=")[1].split(";") for kv in (SWEEP_FROM_ENV or "").split()}
+    # (label, value, settings) per timed setting: one variable at a time, then the sets
+    runs = [(var, cfg, {var: cfg}) for var in [v_ for v_ in args.kernels if v_ in sweep] +
+            [v_ for v_ in sweep if v_ not in SWEEP] for cfg in sweep[var]]
+    runs += [("set", ",".join(f"{k}={v}" for k, v in st.items()) or "default", st)
+             for st in parse_sets(SETS_FROM_ENV or "")]
     hq, hk, d, S = 48, 8, args.head_dim, args.seqlen
     dev = "cuda"
     for mask in args.masks:
@@ -89,27 +121,26 @@ def main() -> int:
         if args.profile:
             profile(mask, lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0),
                     lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0))
-        for var in [v_ for v_ in args.kernels if v_ in sweep] + [v_ for v_ in sweep if v_ not in SWEEP]:
-            for cfg in sweep[var]:
-                os.environ[var] = cfg
-                passes = ["fwd"] if var in SWEEP_FWD else ["bwd"]
-                for which in passes:
-                    if which == "fwd":
-                        fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
-                        mult = 1.0
-                    else:
-                        fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
-                        mult = 2.5
-                    row = {"mask": mask, "seqlen": S, "var": var, "cfg": cfg, "pass": which}
-                    try:
-                        t0 = time.time()  # wall-clock span: joins the row with a clock/power log
-                        ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
-                        row.update(ms=round(ms, 3), tflops=round(mult * flops / ms / 1e9, 1),
-                                   t0=round(t0, 2), t1=round(time.time(), 2))
-                    except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
-                        row["error"] = repr(e)[:160]
-                    print(json.dumps(row), flush=True)
-            os.environ.pop(var)
+        for label, cfg, settings in runs:
+            os.environ.update(settings)
+            which = "fwd" if label in SWEEP_FWD else set_pass(settings) if label == "set" else "bwd"
+            if which == "fwd":
+                fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                mult = 1.0
+            else:
+                fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                mult = 2.5
+            row = {"mask": mask, "seqlen": S, "var": label, "cfg": cfg, "pass": which}
+            try:
+                t0 = time.time()  # wall-clock span: joins the row with a clock/power log
+                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median")
+                row.update(ms=round(ms, 3), tflops=round(mult * flops / ms / 1e9, 1),
+                           t0=round(t0, 2), t1=round(time.time(), 2))
+            except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
+                row["error"] = repr(e)[:160]
+            print(json.dumps(row), flush=True)
+            for var in settings:
+                os.environ.pop(var)
     return 0
 
 

@@ -74,3 +74,23 @@ def test_backward_trace_summary_splits_sm_time_and_fits_steps():
     assert bwd_trace.steps_of(rec, [64, 100], 64) == [3 * 2, 1 * 1]
     with pytest.raises(ValueError, match="MAGI_GLUON_BWD_TRACE=1"):
         bwd_trace.summarize([], [])
+
+
+def test_sweep_sets_parse_combinations_and_pick_the_pass():
+    """MAGI_SWEEP_SETS: ';'-separated settings of several variables (or 'default'), each timed
+    on the forward only when all its variables are forward ones; a malformed item is an error
+    naming the variable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        import sweep_tiles
+    finally:
+        sys.path.pop(0)
+    sets = sweep_tiles.parse_sets("default; MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_PIECE_ADD=tma;"
+                                  "MAGI_GLUON_FWD_ORDER=tile;")
+    assert sets == [{}, {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"},
+                    {"MAGI_GLUON_FWD_ORDER": "tile"}]
+    assert [sweep_tiles.set_pass(s) for s in sets] == ["bwd", "bwd", "fwd"]
+    assert sweep_tiles.set_pass({"MAGI_GLUON_FWD_ORDER": "kv", "MAGI_GLUON_BWD_PIECES": "1"}) == "bwd"
+    with pytest.raises(ValueError, match="MAGI_SWEEP_SETS"):
+        sweep_tiles.parse_sets("MAGI_GLUON_BWD_PIECES")
