@@ -271,3 +271,15 @@ def test_triton_head_dims_and_tile_overrides(monkeypatch):
     monkeypatch.setenv("MAGI_TRITON_BWD_CFG", "64,128,eight,3")
     with pytest.raises(ValueError, match="MAGI_TRITON_BWD_CFG must be 'BM,BN,num_warps,num_stages'"):
         tb._bwd_config(128)
+
+
+@pytest.mark.parametrize("var", ["MAGI_TRITON_TMA", "MAGI_GLUON_FWD"])
+def test_forward_switches_reject_bad_values(var, monkeypatch):
+    """A mistyped three-way kernel switch (unset: the backend decides) is an error naming it,
+    not a silent fall-back to one of its values."""
+    from magi_kernels import triton_backend as tb
+
+    monkeypatch.setenv(var, "yes")
+    q = torch.randn(8, 2, 64)
+    with pytest.raises(ValueError, match=f"{var} must be one of 'auto', '0', '1'"):
+        tb._use_tma(q) if var == "MAGI_TRITON_TMA" else tb._use_gluon(q, q, q)

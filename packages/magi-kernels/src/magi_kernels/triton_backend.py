@@ -30,12 +30,11 @@ Importable without triton; ``AVAILABLE`` says whether it can run.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import gluon_bwd, gluon_fwd
-from .env_config import env_config
+from .env_config import env_choice, env_config
 from .host_cache import per_tensor
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -562,8 +561,8 @@ def _use_tma(x: torch.Tensor) -> bool:
     """Whether the forward loads full K/V blocks through TMA descriptors (Hopper and newer;
     Triton's interpreter emulates them): by default for the head dims in TMA_FWD_HEAD_DIMS.
     ``MAGI_TRITON_TMA=0/1`` overrides; partial blocks always use masked pointer loads."""
-    env = os.environ.get("MAGI_TRITON_TMA")
-    if env is not None:
+    env = env_choice("MAGI_TRITON_TMA", "auto", AUTO_SWITCH)
+    if env != "auto":
         return env == "1"
     if x.device.type != "cuda":
         return False
@@ -582,7 +581,13 @@ def _descriptor(x: torch.Tensor, rows: int, use: bool):
 
 
 DQ_MODES = {"split": 0, "atomic": 1, "tma": 2}
+AUTO_SWITCH = ("auto", "0", "1")  # a kernel switch whose unset value leaves the choice to the backend
 DEFAULT_DQ_MODE = "split"  # on sm90+; see _dq_mode
+
+
+def _dq_override() -> str:
+    """``MAGI_TRITON_DQ``: one of ``DQ_MODES``, or "auto" when unset (the backend chooses)."""
+    return env_choice("MAGI_TRITON_DQ", "auto", ("auto", *DQ_MODES))
 
 
 def _dq_mode(x: torch.Tensor) -> str:
@@ -595,10 +600,8 @@ def _dq_mode(x: torch.Tensor) -> str:
     The accumulating modes are not bitwise deterministic (the order of the fp32 adds varies), so
     ``torch.use_deterministic_algorithms(True)`` selects ``split``. ``MAGI_TRITON_DQ`` overrides.
     """
-    env = os.environ.get("MAGI_TRITON_DQ")
-    if env is not None:
-        if env not in DQ_MODES:
-            raise ValueError(f"MAGI_TRITON_DQ must be one of {sorted(DQ_MODES)}, got {env!r}")
+    env = _dq_override()
+    if env != "auto":
         if env == "tma" and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
             raise ValueError("MAGI_TRITON_DQ=tma needs TMA (sm90+); use 'atomic' or 'split' on this GPU")
         return env
@@ -616,7 +619,7 @@ def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the forward runs the warp-specialised Gluon kernel (``gluon_fwd``; sm90, a head
     dim it has a config for, non-empty K/V): by default for ``gluon_fwd.DEFAULT_HEAD_DIMS``.
     ``MAGI_GLUON_FWD=0`` turns it off, ``=1`` turns it on for every head dim it supports."""
-    env = os.environ.get("MAGI_GLUON_FWD")
+    env = env_choice("MAGI_GLUON_FWD", "auto", AUTO_SWITCH)
     if env == "0" or k.shape[0] == 0 or q.shape[0] == 0 or not gluon_fwd.supported(q, k, v):
         return False
     return env == "1" or q.shape[-1] in gluon_fwd.DEFAULT_HEAD_DIMS
@@ -650,7 +653,7 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
         _fwd_kernel[(n * hq,)](
             q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=tma,
-            WS=os.environ.get("MAGI_TRITON_WS", "0") == "1", num_warps=warps, num_stages=stages,
+            WS=env_choice("MAGI_TRITON_WS", "0", ("0", "1")) == "1", num_warps=warps, num_stages=stages,
         )
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
@@ -661,8 +664,8 @@ def _use_gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
     ``gluon_bwd.DEFAULT_HEAD_DIMS``. Its dQ is a sum of fp32 reduce-adds in no fixed order, so
     ``torch.use_deterministic_algorithms(True)`` and an explicit ``MAGI_TRITON_DQ`` select the
     Triton backward; ``MAGI_GLUON_BWD=0`` turns it off, ``=1`` on for every supported head dim."""
-    env = os.environ.get("MAGI_GLUON_BWD")
-    if env == "0" or torch.are_deterministic_algorithms_enabled() or os.environ.get("MAGI_TRITON_DQ"):
+    env = env_choice("MAGI_GLUON_BWD", "auto", AUTO_SWITCH)
+    if env == "0" or torch.are_deterministic_algorithms_enabled() or _dq_override() != "auto":
         return False
     if k.shape[0] == 0 or q.shape[0] == 0 or do.data_ptr() % 16 or not gluon_bwd.supported(q, k, v):
         return False
@@ -721,7 +724,7 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             DO_KV=kv_layer is not None, DO_Q=q_layer is not None, DQ_MODE=DQ_MODES[dq_mode],
-            WS=os.environ.get("MAGI_TRITON_BWD_WS", "0") == "1", num_warps=warps, num_stages=stages,
+            WS=env_choice("MAGI_TRITON_BWD_WS", "0", ("0", "1")) == "1", num_warps=warps, num_stages=stages,
         )
 
     if dq_mode != "split":  # the dK/dV programs add dQ: no dQ programs
@@ -730,7 +733,7 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         return dq, dk, dv
 
     fused = (len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
-             and os.environ.get("MAGI_TRITON_BWD_FUSE", "1") == "1")
+             and env_choice("MAGI_TRITON_BWD_FUSE", "1", ("0", "1")) == "1")
     if fused:
         launch(kv_layers[0], q_layers[0], False, warps1, stages1)
     else:  # layers after the first read-modify-write the previous ones: one launch per layer
