@@ -88,7 +88,8 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FI
 
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
            "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),
-           "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DQ": "*fp32", "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
+           "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32),
+           "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DQ": "*fp32", "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
            "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
            "HQ": "i32", "TRACE_BUF": "*i64"}
     ptr |= {n: "fp32" for n in FLOATS}
@@ -104,7 +105,8 @@ def triton_tool(name: str) -> str:
 
 
 # an instruction of cuobjdump's listing: address, text, then the two 64-bit words of its encoding
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s*(.*?);\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*/\*\s*0x([0-9a-f]{16})\s*\*/")
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s*(.*?);"
+                          r"\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*/\*\s*0x([0-9a-f]{16})\s*\*/")
 
 
 def stall_cycles(high_word: int) -> int:

@@ -9,8 +9,10 @@ rows) that see its keys, starting at the tile's diagonal block and wrapping
 (``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
 the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
 the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
-part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. The
-program forks into:
+part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Opt-in
+variants not yet measured (v16 notes): every program as pieces (``MAGI_GLUON_BWD_PIECES``, their
+adds by TMA with ``MAGI_GLUON_BWD_PIECE_ADD``), register dQ atomics (``MAGI_GLUON_BWD_DQ_ADD``)
+and lighter dS exchanges (``MAGI_GLUON_BWD_DS_SYNC``). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
@@ -523,13 +525,13 @@ if AVAILABLE:
             gl.store(DV + ptr, dv, mask=kmask)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, TILES, MEMBERS, ORDER,
-                       N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                       ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr, KQ: gl.constexpr,
-                       BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                       DS_SYNC: gl.constexpr, TRACE: gl.constexpr,
-                       TRACE_BUF):
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META,
+                       TILES, MEMBERS, ORDER, N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out,
+                       GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                       STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr,
+                       DQ_FIRST: gl.constexpr, KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr,
+                       PIECE_TMA: gl.constexpr, DQ_ATOMIC: gl.constexpr, DS_SYNC: gl.constexpr,
+                       TRACE: gl.constexpr, TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
         HK = HQ // GROUP
@@ -622,8 +624,12 @@ if AVAILABLE:
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
+        piece_heads = _pieces()
+        if piece_heads and (hq // hk) % piece_heads:
+            raise ValueError(f"MAGI_GLUON_BWD_PIECES={piece_heads} must divide the GQA group of {hq // hk} query heads "
+                             "per KV head (or be 0)")
         order, split = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
-                                    _pieces(), q.device)
+                                    piece_heads, q.device)
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
@@ -638,8 +644,8 @@ if AVAILABLE:
         trace = _trace()
         trace_buf = torch.zeros(len(order), 4, dtype=torch.int64, device=q.device) if trace else dq
         _bwd_ws_kernel[(len(order),)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dq, dk, dv, lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in,
-            cap_out,
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dq, dk, dv,
+            lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
             REVERSE=reverse, PIECE_TMA=piece_tma, DQ_ATOMIC=_dq_add() == "atomic",
