@@ -64,7 +64,8 @@ def parse_sets(text: str) -> list[dict[str, str]]:
 
 
 def set_pass(settings: dict[str, str]) -> str:
-    """The pass a setting times: the forward when every variable is a forward one."""
+    """The pass a setting (one swept variable or a set) times: the forward when every variable
+    is a forward one, else the backward (also for "default" and variables in neither table)."""
     return "fwd" if settings and all(v in SWEEP_FWD for v in settings) else "bwd"
 
 
@@ -123,7 +124,7 @@ def main() -> int:
                     lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0))
         for label, cfg, settings in runs:
             os.environ.update(settings)
-            which = "fwd" if label in SWEEP_FWD else set_pass(settings) if label == "set" else "bwd"
+            which = set_pass(settings)
             if which == "fwd":
                 fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
                 mult = 1.0
