@@ -30,6 +30,7 @@ SWEEP_FWD = {
     "MAGI_GLUON_FWD": ["1", "0"],
     "MAGI_GLUON_FWD_JOIN": ["1", "0"],  # the softmax in both branches of the partial-block test, or the mask alone
     "MAGI_GLUON_FWD_ORDER": ["kv", "tile"],  # KV-major or tile-major launch order of the forward's programs
+    "MAGI_GLUON_FWD_PERSIST": ["0", "1"],  # one program per (tile, head), or one per SM over a queue (v16)
 }
 SWEEP_BWD = {
     "MAGI_TRITON_BWD_CFG": ["64,128,8,3", "64,128,8,2", "32,128,8,3", "64,64,4,3", "32,128,4,3", "64,64,8,3"],

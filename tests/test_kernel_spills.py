@@ -57,20 +57,22 @@ def test_forward_inner_loops_do_not_spill(tma):
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
 
 
-def test_gluon_forward_compiles_without_spills():
+@pytest.mark.parametrize("persist,max_stack", [(False, 32), (True, 64)])
+def test_gluon_forward_compiles_without_spills(persist, max_stack):
     """The warp-specialised Gluon forward at its default config: both consumer partitions'
     block loops free of local-memory traffic, and at most a 32-byte stack frame (the softmax in
     both branches of the partial-block test and the KV-major program order spill a few member
     bounds, loaded once per member outside the block loop; a larger frame would be per thread
-    of 240-register warpgroups)."""
+    of 240-register warpgroups). The persistent variant (``MAGI_GLUON_FWD_PERSIST``) also keeps
+    its tile loop's state there: 64 bytes."""
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     if not gf.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     bm, bn, stages, parts, ping = gf.CONFIGS[128]
-    regs, loops = kr.compile_report(kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping)),
-                                    8 // parts, 1, maxnreg=gf.MAX_REGS)
+    src = kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping), PERSIST=persist)
+    regs, loops = kr.compile_report(src, 8 // parts, 1, maxnreg=gf.MAX_REGS)
     stack = next(int(f.split(":")[1]) for f in regs.split() if f.startswith("STACK:"))
-    assert stack <= 32, regs
+    assert stack <= max_stack, regs
     inner = _inner(loops)
     assert len(inner) == parts, inner  # one block loop per consumer partition
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
@@ -114,6 +116,7 @@ BAD_SWITCHES = [
     ("gluon_bwd", "MAGI_GLUON_BWD_DS_SYNC", "none", "_ds_sync", "must be one of 'mbarrier', 'implied', 'named'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_ORDER", "heads", "_kv_major", "must be one of 'kv', 'tile', got 'heads'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_JOIN", "yes", "_join", "must be one of '0', '1'"),
+    ("gluon_fwd", "MAGI_GLUON_FWD_PERSIST", "on", "_persist", "must be one of '0', '1'"),
 ]
 
 
@@ -134,7 +137,7 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     assert gb._walk() == (False, False) and gb._split() and gb._rotate()
     assert gb._pieces() == 0 and gb._piece_add() == "atomic" and gb._dq_add() == "tma"
     assert gb._ds_sync() == 0
-    assert gf._kv_major() and gf._join()
+    assert gf._kv_major() and gf._join() and not gf._persist()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")

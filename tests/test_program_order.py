@@ -161,3 +161,54 @@ def test_head_pieces_cover_every_program_and_head_once_in_head_chunk_order(band,
 def test_head_pieces_reject_a_size_that_does_not_divide_the_group():
     with pytest.raises(ValueError, match="divide the GQA group"):
         po.head_pieces([0, 1], 2, 6, 4)
+
+
+def test_list_queues_hand_example():
+    """Two SMs, items costing 3, 1, 1, 1, 2: SM 0 takes 0 (busy to 3), SM 1 takes 1, 2, 3 (free
+    at 1, 2, 3), then item 4 goes to SM 0, free at 3 like SM 1 and lower-numbered."""
+    assert po.list_queues([3.0, 1.0, 1.0, 1.0, 2.0], 2) == [[0, 4], [1, 2, 3]]
+    assert po.list_queues([1.0, 1.0], 5) == [[0], [1]]  # fewer items than SMs: no empty queues
+    assert po.list_queues([], 4) == []
+    with pytest.raises(ValueError, match="n_sms must be positive"):
+        po.list_queues([1.0], 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_list_queues_replay_the_list_schedule(seed):
+    """Every item once, each queue in launch order, and the queues' busiest SM finishes when the
+    in-order list schedule does (the persistent launch keeps the order's tail)."""
+    import random
+
+    rng = random.Random(seed)
+    costs = [rng.choice([1.0, 2.5, 7.0, 40.0]) for _ in range(rng.randint(1, 400))]
+    n_sms = rng.randint(1, 40)
+    queues = po.list_queues(costs, n_sms)
+    assert sorted(i for q in queues for i in q) == list(range(len(costs)))
+    assert all(q == sorted(q) for q in queues) and len(queues) == min(n_sms, len(costs))
+    finish = max(sum(costs[i] for i in q) for q in queues)
+    assert finish == pytest.approx(max(po.list_schedule(costs, [0.0] * n_sms)))
+
+
+@pytest.mark.parametrize("kv_major", [True, False])
+def test_persistent_forward_queue_table(kv_major):
+    """``gluon_fwd._queue_table``: programs + 1 offsets, then every (tile, head) item of the launch
+    order once, each program's items in launch order; no more programs than SMs or items."""
+    import torch
+
+    from magi_kernels import gluon_fwd as gf
+
+    work = (1000, 700, 300, 129, 0)  # visible keys per tile, descending (the tile tables' order)
+    hq, group = 6, 3
+    tiles = gf.item_tiles(len(work), hq, group, kv_major)
+    assert sorted(tiles) == sorted(list(range(len(work))) * hq)
+    if kv_major:  # the tiles x group heads of the first KV head, then the second
+        assert tiles[: len(work) * group] == [t for t in range(len(work)) for _ in range(group)]
+    for n_sms in (1, 4, 132):
+        table, programs = gf._queue_table(work, hq, group, kv_major, 128, n_sms, torch.device("cpu"))
+        table = table.tolist()
+        assert programs == min(n_sms, len(work) * hq)
+        offsets, items = table[: programs + 1], table[programs + 1:]
+        assert offsets[0] == 0 and offsets[-1] == len(items) == len(work) * hq
+        queues = [items[a:b] for a, b in zip(offsets, offsets[1:])]
+        assert all(q and q == sorted(q) for q in queues)
+        assert sorted(items) == list(range(len(work) * hq))

@@ -111,21 +111,32 @@ def test_triton_token_offsets_beyond_int32():
     assert q.grad[:lo].abs().max() == 0 and k.grad[b:].abs().max() == 0
 
 
-@pytest.mark.parametrize("cfg", ["", "128,128,2,1,0", "128,128,2,2,1", "128,128,2,2,0", "128,64,3,2,1", "join0", "tile"])
+@pytest.mark.parametrize("cfg", ["", "128,128,2,1,0", "128,128,2,2,1", "128,128,2,2,0", "128,64,3,2,1", "join0", "tile",
+                                 "persist", "persist3", "persist3_tile", "persist3_parts1"])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     """The warp-specialised Gluon forward (the default on sm90 at d=128) in each consumer
     layout and ring depth, with the mask alone in the partial-block branch
-    (``MAGI_GLUON_FWD_JOIN=0``) and in the tile-major launch order (``MAGI_GLUON_FWD_ORDER=tile``),
-    against the float64 reference; the Triton forward must agree."""
+    (``MAGI_GLUON_FWD_JOIN=0``), in the tile-major launch order (``MAGI_GLUON_FWD_ORDER=tile``)
+    and persistent (``MAGI_GLUON_FWD_PERSIST=1``; ``persist3``: as if on 3 SMs, so every program
+    runs a queue of many tiles of different lengths), against the float64 reference; the
+    Triton forward must agree, and a persistent launch must give the same bits as one program
+    per tile (each tile runs the same instructions)."""
+    from magi_kernels import gluon_fwd as gf
     from magi_kernels import triton_backend as tb
 
     if cfg == "join0":
         monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
-    elif cfg == "tile":
+    elif cfg.endswith("tile"):
         monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
-    elif cfg:
+    elif cfg.endswith("parts1"):
+        monkeypatch.setenv("MAGI_GLUON_FWD_CFG", "128,128,2,1,0")
+    elif cfg and not cfg.startswith("persist"):
         monkeypatch.setenv("MAGI_GLUON_FWD_CFG", cfg)
+    if cfg.startswith("persist"):
+        monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1")
+    if cfg.startswith("persist3"):
+        monkeypatch.setattr(gf, "sm_count", lambda device: 3)  # (the queue cache is keyed by the SM count)
     slices, S = _ragged_cases()[case]
     torch.manual_seed(2)
     q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16) for h in (6, 2, 2))
@@ -138,10 +149,40 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     assert torch.equal(torch.isfinite(lse), fin)
     torch.testing.assert_close(out.double(), ro, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double()[fin], rl[fin], atol=2e-2, rtol=2e-2)
+    if cfg.startswith("persist"):
+        monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "0")
+        out_1, lse_1 = flex_flash_attn_func(q, k, v, *args, backend="triton")
+        assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
     monkeypatch.setenv("MAGI_GLUON_FWD", "0")
     out_t, lse_t = flex_flash_attn_func(q, k, v, *args, backend="triton")
     torch.testing.assert_close(out.float(), out_t.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse[fin], lse_t[fin], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding_window", "varlen_causal"])
+def test_gluon_forward_persistent_is_bitwise_per_tile(mask, monkeypatch):
+    """At the bench's shape (8k tokens, 48 / 8 heads: 3072 (tile, head) items, about 23 per
+    SM) the persistent forward (``MAGI_GLUON_FWD_PERSIST=1``) gives the same bits as one
+    program per item, and both agree with the float64 reference on some rows."""
+    from magi_attn.masks import make_mask
+
+    from magi_kernels import triton_backend as tb
+
+    S, hq, hk = 8192, 48, 8
+    ranges = slice_ranges(make_mask(mask, S, seed=0))
+    qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in ranges)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+    if not tb._use_gluon(q, k, v):
+        pytest.skip("the Gluon forward needs sm90")
+    out_1, lse_1 = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
+    monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1")
+    out, lse = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
+    assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
+    rows = slice(S - 512, S)  # the last rows, against the reference over all keys (first 4 heads)
+    mask_rows = dense_mask([(*a, *b, t) for a, b, t in zip(*ranges)], S, S, device="cuda")[rows]
+    ro, _ = dense_attention(q[rows, :4].double(), k[:, :1].double(), v[:, :1].double(), mask_rows)
+    torch.testing.assert_close(out[rows, :4].double(), ro, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("rotate,dq_first,order", [("0", "0", "head"), ("1", "0", "auto"), ("1", "1", "head"),

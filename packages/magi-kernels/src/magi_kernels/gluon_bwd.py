@@ -43,7 +43,7 @@ import torch
 
 from . import program_order
 from .env_config import env_choice, env_config
-from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
+from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
 if AVAILABLE:
     try:  # Triton internals for the TMA reduce-add (no public Gluon wrapper in 3.6)
@@ -209,11 +209,6 @@ def _order_mode() -> str | int:
     if raw.isdigit() and int(raw) >= 1:
         return int(raw)
     raise ValueError(f"MAGI_GLUON_BWD_ORDER must be 'auto', 'head', 'tile' or a positive band size, got {raw!r}")
-
-
-@functools.lru_cache(maxsize=256)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) -> int:
@@ -628,7 +623,7 @@ if AVAILABLE:
         if piece_heads and (hq // hk) % piece_heads:
             raise ValueError(f"MAGI_GLUON_BWD_PIECES={piece_heads} must divide the GQA group of {hq // hk} query heads "
                              "per KV head (or be 0)")
-        order, split = _order_table(work, hk, _sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
+        order, split = _order_table(work, hk, sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
                                     piece_heads, q.device)
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()

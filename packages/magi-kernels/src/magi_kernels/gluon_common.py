@@ -30,6 +30,12 @@ except ImportError:  # no Triton, or a Triton without Gluon
 MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
 
 
+@functools.lru_cache(maxsize=256)
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (the list-schedule models of the launch orders run one program per SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Collection[int]) -> bool:
     """Whether a Gluon kernel tuned for ``head_dims`` can run on these inputs: Gluon present,
     an sm90 GPU, bf16/fp16 and 16-byte aligned rows (TMA)."""

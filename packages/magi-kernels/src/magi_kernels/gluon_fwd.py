@@ -21,15 +21,23 @@ kernel); a block is masked element-wise only when it is not entirely visible to 
 Key rows of a partial block past the member's keys are loaded (TMA reads whatever lies there,
 zeros past the tensor's end) and get probability 0, so K/V must be finite everywhere.
 
+Opt-in (``MAGI_GLUON_FWD_PERSIST=1``, not yet measured): a persistent launch, one program per SM
+over a queue of (tile, head) items from the list schedule of the same order
+(``program_order.list_queues``); the ring position and the ping-pong rounds run on from one
+item to the next, and a ``q_empty`` barrier hands the query buffer back to the loader.
+
 Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import program_order
 from .env_config import env_choice, env_config
-from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported
+from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
 if AVAILABLE:
     from .epilogue_jit import lse_merge_weights, softmax_lse
@@ -76,6 +84,44 @@ def _kv_major() -> bool:
     return env_choice("MAGI_GLUON_FWD_ORDER", "kv", ("kv", "tile")) == "kv"
 
 
+def _persist() -> bool:
+    """``MAGI_GLUON_FWD_PERSIST=0/1`` (default 0, not yet measured): one program per SM that
+    runs a queue of (query tile, head) items (``_queue_table``) instead of one program per
+    item. The loader then loads the next item's query rows and first key blocks while the
+    consumers write the current one's output, and no program launch or setup comes between
+    items: a short item's fixed cost (setup, pipeline fill, output) is an estimated 3 us of a
+    sliding window tile's 21 us (v17 notes). The query buffer is single (no shared memory is
+    left for a second), so its reload waits for both consumers' last matmul of the item."""
+    return env_choice("MAGI_GLUON_FWD_PERSIST", "0", ("0", "1")) == "1"
+
+
+# a persistent item's fixed cost in key blocks (its output and the ring's refill), for the queues
+PERSIST_ITEM_OVERHEAD_BLOCKS = 0.5
+
+
+def item_tiles(n_tiles: int, hq: int, group: int, kv_major: bool) -> list[int]:
+    """The tile of each program of the launch order, program id = position (``_program_tile``)."""
+    if kv_major:
+        per_kv = n_tiles * group
+        return [(p % per_kv) // group for p in range(n_tiles * hq)]
+    return [p // hq for p in range(n_tiles * hq)]
+
+
+@functools.lru_cache(maxsize=256)
+def _queue_table(work: tuple[int, ...], hq: int, group: int, kv_major: bool, block_keys: int, n_sms: int,
+                 device: torch.device) -> tuple[torch.Tensor, int]:
+    """(queue table, programs) of a persistent launch: the list schedule of the launch order's
+    items on ``n_sms`` SMs (``program_order.list_queues``, item cost: its tile's key blocks),
+    as int32 [programs + 1 offsets, then the items of program 0, 1, ...]."""
+    blocks = [-(-w // block_keys) + PERSIST_ITEM_OVERHEAD_BLOCKS for w in work]
+    queues = program_order.list_queues([blocks[t] for t in item_tiles(len(work), hq, group, kv_major)], n_sms)
+    offsets = [0]
+    for qu in queues:
+        offsets.append(offsets[-1] + len(qu))
+    table = offsets + [item for qu in queues for item in qu]
+    return torch.tensor(table, dtype=torch.int32).to(device), len(queues)
+
+
 def tile_rows(d: int) -> int:
     """Query rows per tile (the block of the tile tables the launch reads)."""
     return _config(d)[0]
@@ -105,12 +151,38 @@ if AVAILABLE:
         return qs, qe, ks, ke, inv, cau, k_lo, n, j0, gl.maximum(j0, j1)
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count,
-                h, hk, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-        q_bar, k_bars, v_bars, empty_bars, _turn_bars = bars
+    def _program_tile(TILES, pid, HQ, N_TILES, GROUP: gl.constexpr, KV_MAJOR: gl.constexpr):
+        """(query head, first row, end row, first member, member count) of program ``pid`` of the
+        launch order (``_kv_major``)."""
+        if KV_MAJOR:  # the tiles x group heads of one KV head, then the next KV head
+            per_kv = N_TILES * GROUP
+            r = pid % per_kv
+            h = (pid // per_kv) * GROUP + r % GROUP
+            t_idx = r // GROUP
+        else:  # each tile for every query head
+            h = pid % HQ
+            t_idx = pid // HQ
+        tile = TILES + t_idx * 4
+        return h, gl.load(tile), gl.load(tile + 1), gl.load(tile + 2), gl.load(tile + 3)
+
+    @gluon.jit
+    def _queue(QUEUE):
+        """This program's items [lo, hi) of a persistent launch's queue table (``_queue_table``)."""
+        pid = gl.program_id(0)
+        return gl.load(QUEUE + pid), gl.load(QUEUE + pid + 1), gl.num_programs(0) + 1
+
+    @gluon.jit
+    def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count,
+                   h, hk, j, it, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                   PERSIST: gl.constexpr):
+        """TMA loads of one tile: its query rows (PERSIST: once both consumers are done with the
+        previous tile's, ``q_empty``), then every key block of its members into the ring from
+        position ``j``. Returns the next ring position."""
+        q_bar, k_bars, v_bars, empty_bars, _turn_bars, q_empty = bars
+        if PERSIST:
+            mbarrier.wait(q_empty, (it & 1) ^ 1)  # the first tile's passes: a fresh barrier
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [m0, h * D], q_bar, q_smem)
-        j = 0
         for i in range(first, first + count):
             _qs, _qe, _ks, _ke, _inv, _cau, k_lo, n, _b1, _b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
             for t in range(n):
@@ -122,6 +194,25 @@ if AVAILABLE:
                 mbarrier.expect(v_bars.index(s), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [kb, hk * D], v_bars.index(s), v_smem.index(s))
                 j += 1
+        return j
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, TILES, QUEUE, m0, t_end, first,
+                count, h, HQ, N_TILES, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, KV_MAJOR: gl.constexpr, PERSIST: gl.constexpr):
+        """The loader warp: the program's tile (given), or each tile of its queue (PERSIST), the
+        ring position running on from one tile to the next."""
+        if PERSIST:
+            lo, hi, items = _queue(QUEUE)
+            j = 0
+            for it in range(lo, hi):
+                h, m0, t_end, first, count = _program_tile(TILES, gl.load(QUEUE + items + it), HQ, N_TILES, GROUP,
+                                                           KV_MAJOR)
+                j = _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first,
+                               count, h, h // GROUP, j, it - lo, BM, BN, D, STAGES, PERSIST)
+        else:
+            _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count, h,
+                       h // GROUP, gl.to_tensor(0), 0, BM, BN, D, STAGES, PERSIST)
 
     @gluon.jit
     def _qk(q_smem, k_smem, k_bars, j, s_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -197,14 +288,16 @@ if AVAILABLE:
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                  qk_scale, cap_in, cap_out, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr):
-        """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of the tile, R = BM / PARTS,
-        in 4*(2/PARTS) warps. The tile's member bounds (and so the block walk) are shared with
-        the loader and the other consumer."""
-        q_bar, k_bars, v_bars, empty_bars, turn_bars = bars
+    def _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
+                      qk_scale, cap_in, cap_out, j, c, it, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                      STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
+                      PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr,
+                      PERSIST: gl.constexpr):
+        """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of one tile, R = BM / PARTS,
+        in 4*(2/PARTS) warps, from ring position ``j`` and ping-pong round ``c`` (the program's
+        ``it``-th tile); returns the next (j, c). The tile's member bounds (and so the block
+        walk) are shared with the loader and the other consumer."""
+        q_bar, k_bars, v_bars, empty_bars, turn_bars, q_empty = bars
         PINGPONG: gl.constexpr = PARTS == 2 and PING
         R: gl.constexpr = BM // PARTS
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8 // PARTS, 1],
@@ -222,9 +315,7 @@ if AVAILABLE:
         l_i = gl.zeros([R], gl.float32, row_layout)
         acc = gl.zeros([R, D], gl.float32, o_layout)
         q_rows = q_smem.slice(PART * R, R, dim=0)
-        mbarrier.wait(q_bar, 0)
-        j = 0  # ring position of the next block
-        c = 0  # matmul-issue rounds (ping-pong)
+        mbarrier.wait(q_bar, it & 1)
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau, k_lo, n, b1, b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
             lo = gl.where(inv, ks + rows - qs, ks)
@@ -261,6 +352,8 @@ if AVAILABLE:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty_bars.index(j % STAGES))
                 j += 1
+        if PERSIST:  # every matmul of this tile has completed: the loader may load the next tile's rows
+            mbarrier.arrive(q_empty)
 
         l_safe, lse = softmax_lse(l_i, m_i)
         o = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
@@ -278,26 +371,40 @@ if AVAILABLE:
                  + o * gl.convert_layout(wb, orow_layout)[:, None]) / gl.convert_layout(den_safe, orow_layout)[:, None]
         gl.store(optr, o.to(O.dtype.element_ty), mask=omask)
         gl.store(lptr, lse, mask=rmask)
+        return j, c
 
     @gluon.jit
-    def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, HQ, N_TILES, qk_scale, cap_in, cap_out,
-                       GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+    def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count, h, HQ,
+                  N_TILES, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
+                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr,
+                  KV_MAJOR: gl.constexpr, PERSIST: gl.constexpr):
+        """A consumer partition: the program's tile (given), or each tile of its queue (PERSIST)."""
+        if PERSIST:
+            lo, hi, items = _queue(QUEUE)
+            j = 0  # ring position of the next block
+            c = 0  # matmul-issue rounds (ping-pong)
+            for it in range(lo, hi):
+                h, m0, t_end, first, count = _program_tile(TILES, gl.load(QUEUE + items + it), HQ, N_TILES, GROUP,
+                                                           KV_MAJOR)
+                j, c = _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h,
+                                     HQ, qk_scale, cap_in, cap_out, j, c, it - lo, BM, BN, D, STAGES, HAS_SOFTCAP,
+                                     ACCUM, PART, PARTS, PING, JOIN, PERSIST)
+        else:
+            # (a constant ring position would be a constexpr, which the block loops cannot carry)
+            _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
+                          qk_scale, cap_in, cap_out, gl.to_tensor(0), gl.to_tensor(0), 0, BM, BN, D, STAGES,
+                          HAS_SOFTCAP, ACCUM, PART, PARTS, PING, JOIN, PERSIST)
+
+    @gluon.jit
+    def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, QUEUE, HQ, N_TILES, qk_scale, cap_in,
+                       cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr,
-                       PING: gl.constexpr, JOIN: gl.constexpr, KV_MAJOR: gl.constexpr):
-        pid = gl.program_id(0)
-        if KV_MAJOR:  # the tiles x group heads of one KV head, then the next KV head
-            per_kv = N_TILES * GROUP
-            r = pid % per_kv
-            h = (pid // per_kv) * GROUP + r % GROUP
-            t_idx = r // GROUP
-        else:  # each tile for every query head
-            h = pid % HQ
-            t_idx = pid // HQ
-        tile = TILES + t_idx * 4
-        m0 = gl.load(tile)
-        t_end = gl.load(tile + 1)
-        first = gl.load(tile + 2)
-        count = gl.load(tile + 3)
+                       PING: gl.constexpr, JOIN: gl.constexpr, KV_MAJOR: gl.constexpr, PERSIST: gl.constexpr):
+        if PERSIST:  # the partitions walk this program's queue of tiles (``_queue``)
+            h, m0, t_end, first, count = 0, 0, 0, 0, 0
+        else:
+            h, m0, t_end, first, count = _program_tile(TILES, gl.program_id(0), HQ, N_TILES, GROUP, KV_MAJOR)
 
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
@@ -314,31 +421,46 @@ if AVAILABLE:
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(turn_bars.index(s), count=1)
-        bars = (q_bar, k_bars, v_bars, empty_bars, turn_bars)
+        if PERSIST:  # the query tile's buffer is free again: both consumers' matmuls of it are done
+            q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_empty, count=PARTS)
+        else:
+            q_empty = turn_bars.index(0)  # a stand-in, not used (passing q_bar twice shifts the partitions' arguments)
+        bars = (q_bar, k_bars, v_bars, empty_bars, turn_bars, q_empty)
 
-        loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first,
-                       count, h, h // GROUP, BM, BN, D, STAGES)
+        loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, TILES, QUEUE, m0, t_end,
+                       first, count, h, HQ, N_TILES, GROUP, BM, BN, D, STAGES, KV_MAJOR, PERSIST)
         if PARTS == 1:  # both warpgroups in one 8-warp partition
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING, JOIN)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count,
+                             h, HQ, N_TILES, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0,
+                             1, PING, JOIN, KV_MAJOR, PERSIST)),
                 (_loader, loader_args)], [1], [LOADER_REGS])
         else:  # one partition per warpgroup: they synchronise only through the mbarriers
+            # (the argument tuples written out: a tuple built with + loses its constexprs)
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING, JOIN)),
-                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                             qk_scale, cap_in, cap_out, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING, JOIN)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count,
+                             h, HQ, N_TILES, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0,
+                             2, PING, JOIN, KV_MAJOR, PERSIST)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count,
+                             h, HQ, N_TILES, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1,
+                             2, PING, JOIN, KV_MAJOR, PERSIST)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-    def launch(q, k, v, out, lse, meta, tiles, members, n_tiles, qk_scale, cap_in, cap_out, softcap, accum):
-        """One launch over ``n_tiles`` query tiles x heads (tile tables of block ``CONFIGS[d][0]``)."""
+    def launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, accum):
+        """One launch over the query tiles x heads (tile tables of block ``CONFIGS[d][0]``; ``work``:
+        the host copy of each tile's visible keys, which sets a persistent launch's queues)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages, parts, ping = _config(d)
-        _fwd_ws_kernel[(n_tiles * hq,)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, hq, n_tiles,
-            qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
-            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), KV_MAJOR=_kv_major(), num_warps=8 // parts,
-            maxnreg=MAX_REGS,
+        n_tiles, kv_major, persist = len(work), _kv_major(), _persist()
+        if persist:
+            queue, programs = _queue_table(work, hq, hq // hk, kv_major, BN, sm_count(q.device), q.device)
+        else:
+            queue, programs = tiles, n_tiles * hq  # (the queue is not read)
+        _fwd_ws_kernel[(programs,)](
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, queue, hq,
+            n_tiles, qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), KV_MAJOR=kv_major,
+            PERSIST=persist, num_warps=8 // parts, maxnreg=MAX_REGS,
         )

@@ -22,6 +22,11 @@ over fewer of their GQA group's query heads (their dK/dV added with atomics), ch
 list-schedule model (v14: 16k/32k full and sliding window split their last wave). Plain Python on
 host-side work counts (no device reads); the caller (``gluon_bwd``) caches the table per work
 tuple (0.2-3 ms to build at 8k-128k tokens).
+
+``list_queues`` replays the same list schedule for a persistent launch (one program per SM that
+walks a queue of work items, ``gluon_fwd``'s ``MAGI_GLUON_FWD_PERSIST``): each SM's queue holds
+the items it would have started, in order, so the persistent launch keeps the order's locality
+and its tail.
 """
 
 from __future__ import annotations
@@ -58,6 +63,22 @@ def list_schedule(costs: Iterable[float], free: list[float]) -> list[float]:
     for c in costs:
         heapq.heapreplace(free, free[0] + c)
     return free
+
+
+def list_queues(costs: Sequence[float], n_sms: int) -> list[list[int]]:
+    """The list schedule of items ``0..len(costs)-1`` (in that order, item i costing ``costs[i]``)
+    on ``n_sms`` SMs as one queue per SM: the items each SM starts, in start order. An item
+    goes to the SM that frees first, the lowest-numbered of those free together; SMs left
+    without an item get no queue (fewer items than SMs)."""
+    if n_sms < 1:
+        raise ValueError(f"n_sms must be positive, got {n_sms}")
+    free = [(0.0, sm) for sm in range(min(n_sms, len(costs)))]
+    queues: list[list[int]] = [[] for _ in free]
+    for item, cost in enumerate(costs):
+        t, sm = free[0]
+        queues[sm].append(item)
+        heapq.heapreplace(free, (t + cost, sm))
+    return queues
 
 
 def simulated_finish(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms: int) -> float:

@@ -646,9 +646,9 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
     kd, vd = (None, None) if gluon else (_descriptor(k, BN, tma), _descriptor(v, BN, tma))
-    for li, (tiles, members, n, _work) in enumerate(layers):
+    for li, (tiles, members, n, work) in enumerate(layers):
         if gluon:
-            gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, n, qk_scale, cap_in, cap_out, softcap, li > 0)
+            gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, li > 0)
             continue
         _fwd_kernel[(n * hq,)](
             q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
