@@ -57,14 +57,14 @@ def test_forward_inner_loops_do_not_spill(tma):
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
 
 
-@pytest.mark.parametrize("persist,max_stack", [(False, 32), (True, 64)])
+@pytest.mark.parametrize("persist,max_stack", [(False, 32), (True, 80)])
 def test_gluon_forward_compiles_without_spills(persist, max_stack):
     """The warp-specialised Gluon forward at its default config: both consumer partitions'
     block loops free of local-memory traffic, and at most a 32-byte stack frame (the softmax in
     both branches of the partial-block test and the KV-major program order spill a few member
     bounds, loaded once per member outside the block loop; a larger frame would be per thread
     of 240-register warpgroups). The persistent variant (``MAGI_GLUON_FWD_PERSIST``) also keeps
-    its tile loop's state there: 64 bytes."""
+    its tile loop's state there: 72 bytes."""
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     if not gf.AVAILABLE:
         pytest.skip("this Triton has no Gluon")

@@ -316,8 +316,10 @@ if AVAILABLE:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         q_rows = q_smem.slice(PART * R, R, dim=0)
         mbarrier.wait(q_bar, it & 1)
+        last_n = gl.to_tensor(0)  # (PERSIST) key blocks of the last member seen
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau, k_lo, n, b1, b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
+            last_n = n
             lo = gl.where(inv, ks + rows - qs, ks)
             hi = gl.minimum(gl.where(cau, rows + ke - qe + 1, ke), ke)
             hi = gl.where(rows < qe, hi, lo)  # tile rows past this slice see none of it
@@ -344,6 +346,9 @@ if AVAILABLE:
                     mbarrier.arrive(empty_bars.index(j % STAGES))
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                     j += 1
+                if PERSIST:
+                    if i == first + count - 1:  # the tile's last S is done: the loader may reload Q
+                        mbarrier.arrive(q_empty)  # (one P V earlier than after the member loop)
                 pop = gl.convert_layout(p.to(dtype), p_layout)
                 _take_turn(turn_bars, c, PART, PINGPONG)
                 acc = _pv(pop, v_smem, v_bars, acc, j, STAGES)
@@ -352,8 +357,9 @@ if AVAILABLE:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty_bars.index(j % STAGES))
                 j += 1
-        if PERSIST:  # every matmul of this tile has completed: the loader may load the next tile's rows
-            mbarrier.arrive(q_empty)
+        if PERSIST:
+            if last_n == 0:  # no block in the last member (or no member): released here instead
+                mbarrier.arrive(q_empty)
 
         l_safe, lse = softmax_lse(l_i, m_i)
         o = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
