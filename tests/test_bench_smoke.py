@@ -94,3 +94,25 @@ def test_sweep_sets_parse_combinations_and_pick_the_pass():
     assert sweep_tiles.set_pass({"MAGI_GLUON_FWD_ORDER": "kv", "MAGI_GLUON_BWD_PIECES": "1"}) == "bwd"
     with pytest.raises(ValueError, match="MAGI_SWEEP_SETS"):
         sweep_tiles.parse_sets("MAGI_GLUON_BWD_PIECES")
+
+
+def test_fwd_item_fit_counts_blocks_and_recovers_costs():
+    """``bench/fwd_item_fit.py``: the forward's key and partial blocks per tile of a mask (full
+    1024: 8 tiles of 8 full blocks; causal: 1..8 blocks, the diagonal one partial), and the fit
+    recovers the per-block and per-item costs of synthetic times."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        import fwd_item_fit as fit
+    finally:
+        sys.path.pop(0)
+    assert fit.item_features("full", 1024) == (8.0, 0.0, 8)
+    assert fit.item_features("causal", 1024) == (4.5, 1.0, 8)
+    rows = []
+    for S in (1024, 2048, 4096):
+        for mask in ("full", "causal", "sliding_window"):
+            blocks, partial, items = fit.item_features(mask, S)
+            us = 1.8 * blocks + 0.3 * partial + 5.0  # per item and SM
+            rows.append({"seqlen": S, "mask": mask, "magi_fwd_ms": us * items * 2 / 4 / 1e3})
+    coef, table = fit.fit(rows, "magi_fwd_ms", sms=4, heads=2)
+    assert coef == pytest.approx([1.8, 0.3, 5.0], abs=1e-6) and len(table) == 9
