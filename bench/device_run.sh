@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build the native extensions, then the stages named in STAGES (default: all)
 #   tests  GPU correctness tests (Triton kernels, native kernels, CUDA IPC collectives; TEST_K,
+#          TEST_WORKERS=n runs them in n pytest-xdist processes (compiles in parallel),
 #          EXTRA_TESTS=0 skips the warp-specialisation and IPC runs)
-#   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several)
+#   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several;
+#          SWEEP_WARM=1 first compiles every MAGI_SWEEP_SETS entry in parallel processes, so the timed
+#          sweep finds each kernel in Triton's cache)
 #   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
 #   ncu    Nsight Compute report of one Gluon backward launch (NCU_SEQLENS, NCU_MASKS), if ncu is there
@@ -18,7 +21,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 STAGES=${STAGES:-tests sweep bench ipc}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # (at most 8 files come back from the device: install logs stay in /tmp unless an install fails)
-for p in magi-solver magi-kernels magi-comm magi-attn; do
+# (SKIP_INSTALL=1: a second run in the same call keeps the first one's installs)
+[ "${SKIP_INSTALL:-0}" = 1 ] || for p in magi-solver magi-kernels magi-comm magi-attn; do
   python3 -m pip install -q --no-build-isolation --no-deps -e packages/$p > /tmp/install_$p.log 2>&1 \
     || { echo "install $p failed"; cp /tmp/install_$p.log $OUT/; }
 done
@@ -29,12 +33,12 @@ python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; prin
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # SM clock, power and temperature every 200 ms for the whole call: says whether a timing ran throttled
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 \
-  > $OUT/gpu_clocks.csv 2>/dev/null &
+  >> $OUT/gpu_clocks.csv 2>/dev/null &
 CLOCKS_PID=$!
 if has tests; then
   # TEST_K selects a subset of the GPU tests (pytest -k expression)
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/test_triton_gpu.py tests/test_native.py \
-    ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
+    ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
   if [ "${EXTRA_TESTS:-1}" = 1 ]; then
     # the forward's optional warp-specialised loop (MAGI_TRITON_WS=1), d=128 bf16 cases
@@ -43,6 +47,16 @@ if has tests; then
   fi
 fi
 if has sweep; then
+  if [ "${SWEEP_WARM:-0}" = 1 ] && [ -n "${MAGI_SWEEP_SETS:-}" ]; then
+    # one short process per distinct set, all at once: Triton compiles on the CPU cores, the timed
+    # sweep below then loads every variant from the cache instead of compiling inside its timeout
+    T0=$SECONDS
+    for SET in $(echo "$MAGI_SWEEP_SETS" | tr ';' '\n' | sort -u); do
+      MAGI_SWEEP_SETS="$SET" timeout ${WARM_TIMEOUT:-240} python3 bench/sweep_tiles.py --seqlen 4096 --rep-ms 1 \
+        --masks causal > /dev/null 2>> /tmp/warm.err &
+    done
+    wait; echo "warm-up compiles: $((SECONDS - T0)) s"; grep -m3 -i error /tmp/warm.err
+  fi
   # MAGI_SWEEP="VAR=a;b;a;b" with SWEEP_REP_MS=1000 is an A/B run
   for S in ${SWEEP_SEQLEN:-16384}; do
     timeout ${SWEEP_TIMEOUT:-200} python3 bench/sweep_tiles.py --seqlen $S --rep-ms ${SWEEP_REP_MS:-150} \

@@ -1,11 +1,22 @@
 """The distributed benchmark runs end to end on 2 gloo processes (tiny sizes)."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+
+def bench_module(name: str):
+    """A script of ``bench/`` imported as a module (the folder is not a package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.mark.parametrize("comm", ["a2a", "hier"])
@@ -27,12 +38,7 @@ def test_kernel_bench_interleaves_rounds_and_takes_medians():
     """bench_kernels times every implementation once per round, each round starting one later
     (so none always follows the others' heat), and reports the median round; a failing one
     is dropped without losing the others."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "bench"))
-    try:
-        import bench_kernels
-    finally:
-        sys.path.pop(0)
+    bench_kernels = bench_module("bench_kernels")
     calls, clock = [], iter(range(100))
 
     def timer(fn, reps_ms):
@@ -56,12 +62,7 @@ def test_backward_trace_summary_splits_sm_time_and_fits_steps():
     one line, and the fit is the least-squares one."""
     import numpy as np
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "bench"))
-    try:
-        import bwd_trace
-    finally:
-        sys.path.pop(0)
+    bwd_trace = bench_module("bwd_trace")
     record = [(0, 0, 0, 25), (1, 0, 25, 70), (2, 1, 10, 100)]
     s = bwd_trace.summarize(record, [10, 20, 30])
     assert s["span_us"] == 0.1 and s["sms"] == 2 and s["programs"] == 3
@@ -80,12 +81,7 @@ def test_sweep_sets_parse_combinations_and_pick_the_pass():
     """MAGI_SWEEP_SETS: ';'-separated settings of several variables (or 'default'), each timed
     on the forward only when all its variables are forward ones; a malformed item is an error
     naming the variable."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "bench"))
-    try:
-        import sweep_tiles
-    finally:
-        sys.path.pop(0)
+    sweep_tiles = bench_module("sweep_tiles")
     sets = sweep_tiles.parse_sets("default; MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_PIECE_ADD=tma;"
                                   "MAGI_GLUON_FWD_ORDER=tile;")
     assert sets == [{}, {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"},
@@ -100,12 +96,7 @@ def test_fwd_item_fit_counts_blocks_and_recovers_costs():
     """``bench/fwd_item_fit.py``: the forward's key and partial blocks per tile of a mask (full
     1024: 8 tiles of 8 full blocks; causal: 1..8 blocks, the diagonal one partial), and the fit
     recovers the per-block and per-item costs of synthetic times."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "bench"))
-    try:
-        import fwd_item_fit as fit
-    finally:
-        sys.path.pop(0)
+    fit = bench_module("fwd_item_fit")
     assert fit.item_features("full", 1024) == (8.0, 0.0, 8)
     assert fit.item_features("causal", 1024) == (4.5, 1.0, 8)
     rows = []
@@ -116,3 +107,23 @@ def test_fwd_item_fit_counts_blocks_and_recovers_costs():
             rows.append({"seqlen": S, "mask": mask, "magi_fwd_ms": us * items * 2 / 4 / 1e3})
     coef, table = fit.fit(rows, "magi_fwd_ms", sms=4, heads=2)
     assert coef == pytest.approx([1.8, 0.3, 5.0], abs=1e-6) and len(table) == 9
+
+
+def test_ab_summary_means_repeats_and_divides_by_the_baseline(tmp_path):
+    """``bench/ab_summary.py``: a setting's repeats are averaged per (seqlen, mask, pass), the
+    ratio is to the first setting timed on that pass (or ``--base``), error rows are skipped."""
+    ab = bench_module("ab_summary")
+    rows = [{"seqlen": 8, "mask": "causal", "pass": "bwd", "cfg": c, "tflops": t}
+            for c, t in (("default", 500.0), ("X=1", 550.0), ("default", 520.0), ("X=1", 530.0))]
+    rows += [{"seqlen": 8, "mask": "causal", "pass": "fwd", "cfg": "P=0", "tflops": 400.0},
+             {"seqlen": 8, "mask": "causal", "pass": "fwd", "cfg": "P=1", "tflops": 440.0},
+             {"seqlen": 8, "mask": "causal", "pass": "fwd", "cfg": "P=2", "error": "boom"}]
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = {(r["pass"], r["cfg"]): r for r in ab.summarise(ab.load_rows([str(path)]))}
+    assert set(out) == {("bwd", "default"), ("bwd", "X=1"), ("fwd", "P=0"), ("fwd", "P=1")}
+    assert out["bwd", "X=1"]["tflops"] == 540.0 and out["bwd", "X=1"]["spread"] == 20.0
+    assert out["bwd", "X=1"]["ratio"] == round(540 / 510, 4) and out["bwd", "default"]["ratio"] == 1.0
+    assert out["fwd", "P=1"]["ratio"] == 1.1 and out["fwd", "P=1"]["base"] == "P=0"
+    by_base = {r["cfg"]: r for r in ab.summarise(ab.load_rows([str(path)]), base="X=1") if r["pass"] == "bwd"}
+    assert by_base["default"]["ratio"] == round(510 / 540, 4)
