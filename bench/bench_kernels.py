@@ -115,9 +115,9 @@ def run(args, on_row=lambda rows: None):
 
             o = ours()
             fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
-            if tb._use_gluon(q, k, v):  # A/B: the Triton forward in the same process
+            if args.triton_ab and tb._use_gluon(q, k, v):  # A/B: the Triton forward in the same process
                 fns["magi_triton_fwd"] = with_env(ours, "MAGI_GLUON_FWD", "0")
-            if tb._use_gluon_bwd(q, k, v, g):  # A/B: the Triton backward in the same process
+            if args.triton_ab and tb._use_gluon_bwd(q, k, v, g):  # A/B: the Triton backward in the same process
                 fns["magi_triton_bwd"] = with_env(fns["magi_bwd"], "MAGI_GLUON_BWD", "0")
             for fn in fns.values():
                 fn()
@@ -219,6 +219,8 @@ def main():
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--plot", default=None)
     p.add_argument("--no-peers", action="store_true", help="only time magi (tuning runs)")
+    p.add_argument("--no-triton-ab", dest="triton_ab", action="store_false",
+                   help="skip timing the Triton kernels beside the Gluon ones (a shorter run)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (median)")
     p.add_argument("--rep-ms", type=float, default=150, help="ms of back-to-back calls per timing")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",

@@ -6,7 +6,8 @@
 #   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several;
 #          SWEEP_WARM=1 first compiles every MAGI_SWEEP_SETS entry in parallel processes, so the timed
 #          sweep finds each kernel in Triton's cache)
-#   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT)
+#   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT,
+#          BENCH_ARGS: more of its flags, e.g. --no-triton-ab)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
 #   ncu    Nsight Compute report of one Gluon backward launch (NCU_SEQLENS, NCU_MASKS), if ncu is there
 #   ncu_fwd Nsight Compute report of one magi and one cuDNN forward launch (bench/fwd_profile.py; NCU_SEQLENS,
@@ -69,7 +70,7 @@ SUM='import sys,json
 for l in sys.stdin:
     r=json.loads(l); f=lambda p:" ".join(f"{k.split(chr(95))[0]}:{r.get(k,0):.0f}" for k in (f"magi_{p}_tflops",f"flex_{p}_tflops",f"cudnn_{p}_tflops")); print(r["seqlen"],r["mask"],"fwd",f("fwd"),"triton:%.0f"%r.get("magi_triton_fwd_tflops",0),"| bwd",f("bwd"),"triton:%.0f"%r.get("magi_triton_bwd_tflops",0),"| err",round(r.get("flex_vs_magi_maxerr",-1),3))'
 if has bench; then
-  timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} ${BENCH_MASKS:+--masks $BENCH_MASKS} \
+  timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} ${BENCH_MASKS:+--masks $BENCH_MASKS} ${BENCH_ARGS:-} \
     --out $OUT/bench_kernels_h200.json --plot $OUT/bench_kernels_h200.png 2>$OUT/bench.err | grep '^{' | python3 -c "$SUM"
 fi
 has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
