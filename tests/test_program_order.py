@@ -141,26 +141,41 @@ def test_split_tail_bounds_do_not_change_the_plan(seed):
     assert po.split_tail(order, costs, n_tiles, n_sms, group) == expected
 
 
-@pytest.mark.parametrize("band", [1, 2, 4])
+@pytest.mark.parametrize("band", [1, 2, 4, 8])
 @pytest.mark.parametrize("heads", [1, 2, 3, 6])
-def test_head_pieces_cover_every_program_and_head_once_in_head_chunk_order(band, heads):
-    """Every (program, query head) is in exactly one piece; within a KV head's run of tiles the
-    pieces go over one chunk of ``heads`` query heads for all the run's tiles before the next."""
+def test_head_chunk_pieces_cover_every_program_and_head_once_in_head_chunk_order(band, heads):
+    """Every (program, query head) is in exactly one piece of ``heads`` heads; the first virtual
+    heads (KV head, chunk of query heads) run head-major: all tiles of KV head 0 over the first
+    chunk, then over the next; the last ``band`` virtual heads run tile-major."""
     n_tiles, n_heads, group = 5, 4, 6
-    order = po.band_order(n_tiles, n_heads, band)
-    pieces = po.head_pieces(order, n_tiles, group, heads)
+    band = min(band, n_heads * group // heads)  # (8: every virtual head tile-major for 6-head pieces)
+    pieces = po.head_chunk_pieces(n_tiles, n_heads, group, heads, band)
     covered = sorted((p, g) for p, lo, hi in pieces for g in range(lo, hi))
-    assert covered == sorted((p, g) for p in order for g in range(group))
+    assert covered == sorted((p, g) for p in range(n_tiles * n_heads) for g in range(group))
     assert all(hi - lo == heads for _, lo, hi in pieces)
-    first_head_major = pieces[: n_tiles * group // heads]  # KV head 0 runs head-major when band < n_heads
-    if band < n_heads:
-        assert [lo for _, lo, _ in first_head_major] == [g for g in range(0, group, heads) for _ in range(n_tiles)]
-        assert [p for p, _, _ in first_head_major] == list(range(n_tiles)) * (group // heads)
+    chunks = group // heads
+    n_virtual = n_heads * chunks
+    head_major = n_virtual - band
+    first = pieces[: head_major * n_tiles]
+    assert first == [(v // chunks * n_tiles + t, v % chunks * heads, (v % chunks + 1) * heads)
+                     for v in range(head_major) for t in range(n_tiles)]
+    last = pieces[head_major * n_tiles:]  # tile-major: each tile over every band head in turn
+    assert [p % n_tiles for p, _, _ in last] == [t for t in range(n_tiles) for _ in range(band)]
 
 
-def test_head_pieces_reject_a_size_that_does_not_divide_the_group():
+def test_pieces_choose_their_band_on_piece_costs():
+    """8k causal (64 key tiles of 128 keys, 8 KV heads, GQA group 6, 132 SMs): whole programs
+    need tile-major order for their tail, one-head pieces are short enough to stay head-major
+    (so every resident piece reads one query head's rows)."""
+    costs = po.tile_costs([8192 - 128 * j for j in range(64)], 64)
+    assert po.choose_band(costs, 8, 132) == 8
+    piece_costs = [po.piece_cost(c, 1, 6) for c in costs]
+    assert po.choose_band(piece_costs, 8 * 6, 132) == 1
+
+
+def test_head_chunk_pieces_reject_a_size_that_does_not_divide_the_group():
     with pytest.raises(ValueError, match="divide the GQA group"):
-        po.head_pieces([0, 1], 2, 6, 4)
+        po.head_chunk_pieces(2, 1, 6, 4, 1)
 
 
 def test_list_queues_hand_example():

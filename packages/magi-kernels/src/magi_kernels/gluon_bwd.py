@@ -130,7 +130,7 @@ def _split() -> bool:
 def _pieces() -> int:
     """``MAGI_GLUON_BWD_PIECES=0/s`` (default 0): 0 runs whole programs (but for ``_split``'s
     tail); s runs every program as pieces of s query heads, each KV head's tiles over one
-    chunk of s heads before the next (``program_order.head_pieces``; dK/dV by atomics)."""
+    chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV by atomics)."""
     raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "0")
     if not raw.isdigit():
         raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 0 or a divisor of the GQA group size, got {raw!r}")
@@ -229,16 +229,20 @@ def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | in
     """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
     piece covers fewer than ``group`` query heads)."""
     costs = program_order.tile_costs(work, block_rows)
-    band = order_band(costs, n_heads, n_sms, mode)
-    order = program_order.band_order(len(work), n_heads, band)
-    if piece_heads:
-        pieces = program_order.head_pieces(order, len(work), group, piece_heads)
-    elif split:
-        pieces = program_order.split_tail(order, costs, len(work), n_sms, group)
+    if piece_heads:  # the band is chosen over (KV head, query-head chunk) pieces and their costs
+        chunks = group // piece_heads
+        piece_costs = [program_order.piece_cost(c, piece_heads, group) for c in costs]
+        band = order_band(piece_costs, n_heads * chunks, n_sms, mode)
+        pieces = program_order.head_chunk_pieces(len(work), n_heads, group, piece_heads, band)
+        partial = piece_heads < group
     else:
-        pieces = [(p, 0, group) for p in order]
+        band = order_band(costs, n_heads, n_sms, mode)
+        order = program_order.band_order(len(work), n_heads, band)
+        pieces = program_order.split_tail(order, costs, len(work), n_sms, group) if split else [
+            (p, 0, group) for p in order]
+        partial = len(pieces) > len(order)
     table = [(p, lo | hi << 16) for p, lo, hi in pieces]
-    return torch.tensor(table, dtype=torch.int32).to(device), len(pieces) > len(order)
+    return torch.tensor(table, dtype=torch.int32).to(device), partial
 
 
 def key_tile_size(d: int) -> int:

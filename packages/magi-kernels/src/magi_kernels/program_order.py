@@ -195,21 +195,23 @@ def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms:
     return whole[: n - k] + [(p, g, g + s) for p in order[n - k:] for g in range(0, group, s)]
 
 
-def head_pieces(order: Sequence[int], n_tiles: int, group: int, heads: int) -> list[Piece]:
-    """The launch as pieces of ``heads`` query heads each (``heads`` dividing ``group``), every
-    run of consecutive programs of one KV head in ``order`` walked query-head-chunk-major:
-    all its tiles over heads [0, heads), then over [heads, 2 heads), ... So the resident pieces
-    share one query head's Q/dO/dQ rows even where the tiles differ in length (a causal mask's
-    tiles drift apart across the GQA group's heads otherwise, v14), at the price of every
-    piece adding its dK/dV with atomics."""
+def head_chunk_pieces(n_tiles: int, n_heads: int, group: int, heads: int, band: int) -> list[Piece]:
+    """The launch as pieces of ``heads`` query heads each (``heads`` dividing ``group``), ordered
+    as ``band_order`` orders programs but over *virtual heads*, one per (KV head, chunk of
+    ``heads`` query heads), KV-head-major: all tiles of KV head 0 over query heads
+    [0, heads), then over [heads, 2 heads), ..., then KV head 1; the last ``band`` virtual
+    heads tile-major. So the resident pieces share one query head's Q/dO/dQ rows even where
+    the tiles differ in length (a causal mask's tiles drift apart across the GQA group's heads
+    otherwise, v14), at the price of every piece adding its dK/dV with atomics. ``band`` is
+    chosen on the pieces' costs (``choose_band`` over ``n_heads * group // heads`` virtual
+    heads): a piece is ``group // heads`` times shorter than a whole program, so head-major
+    pieces finish with a short tail where whole programs needed tile-major order (8k causal)."""
     if heads < 1 or group % heads:
         raise ValueError(f"pieces of {heads} query heads must divide the GQA group of {group}")
+    chunks = group // heads
     pieces: list[Piece] = []
-    run: list[int] = []
-    for i, p in enumerate(order):
-        run.append(p)
-        if i + 1 == len(order) or order[i + 1] // n_tiles != p // n_tiles:
-            pieces += [(q, g, g + heads) for g in range(0, group, heads) for q in run]
-            run = []
+    for v in band_order(n_tiles, n_heads * chunks, band):
+        virtual_head, tile = divmod(v, n_tiles)
+        kv_head, chunk = divmod(virtual_head, chunks)
+        pieces.append((kv_head * n_tiles + tile, chunk * heads, (chunk + 1) * heads))
     return pieces
-
