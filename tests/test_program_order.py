@@ -227,3 +227,21 @@ def test_persistent_forward_queue_table(kv_major):
         queues = [items[a:b] for a, b in zip(offsets, offsets[1:])]
         assert all(q and q == sorted(q) for q in queues)
         assert sorted(items) == list(range(len(work) * hq))
+
+
+def test_backward_launch_table_of_pieces_is_head_major_at_8k_causal():
+    """``gluon_bwd._order_table`` with ``MAGI_GLUON_BWD_PIECES=1`` at 8k causal: the pieces run
+    KV head 0's tiles over query head 0 first (longest tile first), every piece one head wide,
+    and the table says the launch has pieces (atomic dK/dV); whole programs run tile-major."""
+    import torch
+
+    from magi_kernels import gluon_bwd
+
+    work = tuple(8192 - 128 * j for j in range(64))
+    table, partial = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, 1, torch.device("cpu"))
+    prog, heads = table[:, 0].tolist(), table[:, 1].tolist()
+    assert partial and len(prog) == 64 * 8 * 6
+    assert prog[:64] == list(range(64)) and all(h == (0 | 1 << 16) for h in heads[:64])
+    assert prog[64:128] == list(range(64)) and all(h == (1 | 2 << 16) for h in heads[64:128])
+    whole, partial_whole = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, False, 0, torch.device("cpu"))
+    assert not partial_whole and whole[:8, 0].tolist() == [h * 64 for h in range(8)]  # tile-major
