@@ -4,8 +4,8 @@
 #          TEST_WORKERS=n runs them in n pytest-xdist processes (compiles in parallel),
 #          EXTRA_TESTS=0 skips the warp-specialisation and IPC runs)
 #   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several;
-#          SWEEP_WARM=1 first compiles every MAGI_SWEEP_SETS entry in parallel processes, so the timed
-#          sweep finds each kernel in Triton's cache)
+#          SWEEP_WARM=1 first compiles every MAGI_SWEEP_SETS entry in parallel processes, WARM_JOBS at
+#          a time (default 6), so the timed sweep finds each kernel in Triton's cache)
 #   bench  kernel benchmark with peers (bench/bench_kernels.py, SEQLENS, BENCH_MASKS, BENCH_TIMEOUT,
 #          BENCH_ARGS: more of its flags, e.g. --no-triton-ab)
 #   ipc    CUDA IPC GroupCast bandwidth (bench/bench_ipc.py)
@@ -52,11 +52,11 @@ if has sweep; then
     # one short process per distinct set, all at once: Triton compiles on the CPU cores, the timed
     # sweep below then loads every variant from the cache instead of compiling inside its timeout
     T0=$SECONDS
-    for SET in $(echo "$MAGI_SWEEP_SETS" | tr ';' '\n' | sort -u); do
-      MAGI_SWEEP_SETS="$SET" timeout ${WARM_TIMEOUT:-240} python3 bench/sweep_tiles.py --seqlen 4096 --rep-ms 1 \
-        --masks causal > /dev/null 2>> /tmp/warm.err &
-    done
-    wait; echo "warm-up compiles: $((SECONDS - T0)) s"; grep -m3 -i error /tmp/warm.err
+    # (at most WARM_JOBS at once: each process holds a CUDA context and a compiler's memory)
+    echo "$MAGI_SWEEP_SETS" | tr ';' '\n' | sort -u | grep . | WARM_TIMEOUT=${WARM_TIMEOUT:-240} \
+      xargs -P ${WARM_JOBS:-6} -I{} sh -c 'MAGI_SWEEP_SETS="{}" timeout $WARM_TIMEOUT python3 bench/sweep_tiles.py \
+        --seqlen 4096 --rep-ms 1 --masks causal > /dev/null 2>> /tmp/warm.err'
+    echo "warm-up compiles: $((SECONDS - T0)) s"; grep -m3 -i error /tmp/warm.err
   fi
   # MAGI_SWEEP="VAR=a;b;a;b" with SWEEP_REP_MS=1000 is an A/B run
   for S in ${SWEEP_SEQLEN:-16384}; do
