@@ -80,13 +80,19 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
     return _source(gf._fwd_ws_kernel, ptr, cst, GluonASTSource)
 
 
-def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=64, ROTATE=True, DQ_FIRST=0, KQ=0, BLOCK_WALK=0,
+def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ_FIRST=0, KQ=None, BLOCK_WALK=0,
                      REVERSE=0, PIECE_TMA=0, DQ_ATOMIC=0, DS_SYNC=0, TRACE=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
-    specialisation."""
+    specialisation; ``KQ`` and ``STAGES`` left out are the library's defaults (key-major scores,
+    its ring depth), so a bare ``gluon_bwd`` argument reports the kernel that runs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from magi_kernels import gluon_bwd as gb
+
+    if KQ is None:
+        KQ = int(gb._scores() == "kq")
+    if STAGES is None:
+        STAGES = gb.default_config(D, bool(KQ))[2]
 
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
            "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),
