@@ -130,7 +130,9 @@ def _split() -> bool:
 def _pieces() -> int:
     """``MAGI_GLUON_BWD_PIECES=0/s`` (default 0): 0 runs whole programs (but for ``_split``'s
     tail); s runs every program as pieces of s query heads, each KV head's tiles over one
-    chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV by atomics)."""
+    chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV by atomics).
+    The launch order's band is then counted in (KV head, chunk) pieces: ``MAGI_GLUON_BWD_ORDER=2``
+    runs the last two chunks tile-major, ``auto`` chooses on the pieces' costs."""
     raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "0")
     if not raw.isdigit():
         raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 0 or a divisor of the GQA group size, got {raw!r}")
