@@ -49,7 +49,7 @@ if has tests; then
 fi
 if has sweep; then
   if [ "${SWEEP_WARM:-0}" = 1 ] && [ -n "${MAGI_SWEEP_SETS:-}" ]; then
-    # one short process per distinct set, all at once: Triton compiles on the CPU cores, the timed
+    # one short process per distinct set, in parallel: Triton compiles on the CPU cores, the timed
     # sweep below then loads every variant from the cache instead of compiling inside its timeout
     T0=$SECONDS
     # (at most WARM_JOBS at once: each process holds a CUDA context and a compiler's memory)
