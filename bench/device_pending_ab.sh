@@ -17,21 +17,26 @@ FWD_SETS="MAGI_GLUON_FWD_PERSIST=0;MAGI_GLUON_FWD_PERSIST=1;MAGI_GLUON_FWD_ORDER
 MAGI_GLUON_FWD_PERSIST=1,MAGI_GLUON_FWD_ORDER=tile"
 TEST_SELECTION="head_pieces or mixed_pieces or dq_atomics or ds_syncs or unsplit or persist"
 PART=${PART:-all}
-STAGES_FIRST="sweep"
-[ "${TESTS:-1}" = 1 ] && STAGES_FIRST="tests sweep"
+TESTS=${TESTS:-1}
 INSTALLED=0
+
+# one half of the call: its GPU tests (if TESTS=1; pytest -k $1), then the A/B of sets $2 on masks
+# $3, each length timed for $4 ms per setting within $5 s; the second half keeps the first's installs
+ab_half() {
+  local stages="sweep"
+  [ "$TESTS" = 1 ] && stages="tests sweep"
+  SKIP_INSTALL=$INSTALLED TEST_WORKERS=${TEST_WORKERS:-4} EXTRA_TESTS=0 TEST_TIMEOUT=${TEST_TIMEOUT:-170} \
+    STAGES="$stages" TEST_K="$1" SWEEP_WARM=1 WARM_TIMEOUT=150 SWEEP_SEQLEN="16384 32768 8192" \
+    SWEEP_MASKS="$3" SWEEP_REP_MS=$4 SWEEP_TIMEOUT=$5 MAGI_SWEEP_SETS="$2;$2" bash bench/device_run.sh
+  INSTALLED=1
+}
+
 if [ "$PART" != fwd ]; then
-  TEST_WORKERS=${TEST_WORKERS:-4} EXTRA_TESTS=0 TEST_TIMEOUT=${TEST_TIMEOUT:-170} STAGES="$STAGES_FIRST" \
-    TEST_K="$TEST_SELECTION" SWEEP_WARM=1 WARM_TIMEOUT=150 SWEEP_SEQLEN="16384 32768 8192" \
-    SWEEP_MASKS="causal full varlen_causal" SWEEP_REP_MS=300 SWEEP_TIMEOUT=100 \
-    MAGI_SWEEP_SETS="default;$BWD_SETS;default;$BWD_SETS" bash bench/device_run.sh
-  INSTALLED=1 STAGES_FIRST="sweep"
+  ab_half "$TEST_SELECTION" "default;$BWD_SETS" "causal full varlen_causal" 300 100
 fi
 if [ "$PART" != bwd ]; then
   echo "=== forward A/B"
-  SKIP_INSTALL=$INSTALLED TEST_WORKERS=${TEST_WORKERS:-4} EXTRA_TESTS=0 TEST_TIMEOUT=${TEST_TIMEOUT:-170} \
-    STAGES="$STAGES_FIRST" TEST_K="persist" SWEEP_WARM=1 WARM_TIMEOUT=100 SWEEP_SEQLEN="16384 32768 8192" \
-    SWEEP_MASKS="sliding_window varlen_causal varlen_block_causal causal full" SWEEP_REP_MS=250 SWEEP_TIMEOUT=70 \
-    MAGI_SWEEP_SETS="$FWD_SETS;$FWD_SETS" bash bench/device_run.sh
+  [ "$INSTALLED" = 1 ] && TESTS=0  # the backward half already ran every pending test
+  ab_half "persist" "$FWD_SETS" "sliding_window varlen_causal varlen_block_causal causal full" 250 70
 fi
-python3 bench/ab_summary.py "$OUT/sweep.jsonl" 2>/dev/null | awk '$NF != "x1.000"' | tail -n 90
+python3 bench/ab_summary.py "$OUT/sweep.jsonl" 2>/dev/null || echo "ab_summary: no timed rows in $OUT/sweep.jsonl"

@@ -51,8 +51,8 @@ if has sweep; then
   if [ "${SWEEP_WARM:-0}" = 1 ] && [ -n "${MAGI_SWEEP_SETS:-}" ]; then
     # one short process per distinct set, in parallel: Triton compiles on the CPU cores, the timed
     # sweep below then loads every variant from the cache instead of compiling inside its timeout
-    T0=$SECONDS
     # (at most WARM_JOBS at once: each process holds a CUDA context and a compiler's memory)
+    T0=$SECONDS
     echo "$MAGI_SWEEP_SETS" | tr ';' '\n' | sort -u | grep . | WARM_TIMEOUT=${WARM_TIMEOUT:-240} \
       xargs -P ${WARM_JOBS:-6} -I{} sh -c 'MAGI_SWEEP_SETS="{}" timeout $WARM_TIMEOUT python3 bench/sweep_tiles.py \
         --seqlen 4096 --rep-ms 1 --masks causal > /dev/null 2>> /tmp/warm.err'
