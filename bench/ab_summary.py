@@ -4,7 +4,11 @@ mean TFLOP/s of each setting over its repeats, and its ratio to the baseline set
 The baseline of a pass is ``--base`` if given and present, else the first setting timed on that
 pass (``default`` for the backward sets of a ``MAGI_SWEEP_SETS`` run, e.g.
 ``MAGI_GLUON_FWD_PERSIST=0`` for a forward set list that starts with it).
-Usage: python bench/ab_summary.py sweep.jsonl [--base default]
+After the table, one verdict per (pass, setting) by the adoption rule of the kernel notes: a
+variant becomes the default only if it is at least ``--gain`` faster on the target masks
+(``--target``, mean ratio over lengths) and no mask loses more than ``--loss``; one that wins on
+the targets but loses elsewhere is a candidate for a per-launch choice.
+Usage: python bench/ab_summary.py sweep.jsonl [--base default] [--target causal,varlen_causal]
 """
 
 from __future__ import annotations
@@ -43,6 +47,31 @@ def summarise(rows: list[dict], base: str | None = None) -> list[dict]:
     return out
 
 
+def verdicts(summary: list[dict], targets: tuple[str, ...], gain: float = 0.01,
+             loss: float = 0.005) -> list[dict]:
+    """Per (pass, setting other than its baseline): the mean ratio of each mask over its lengths,
+    and ``adopt`` (targets' mean >= 1 + gain, every mask >= 1 - loss), ``per-launch`` (targets
+    win, some other mask loses), ``keep off`` (the targets do not win) or ``no target rows``."""
+    ratios: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(dict)
+    for rec in summary:
+        if rec["cfg"] != rec["base"]:
+            ratios[(rec["pass"], rec["cfg"])].setdefault(rec["mask"], []).append(rec["ratio"])
+    out = []
+    for (which, cfg), by_mask in sorted(ratios.items()):
+        per_mask = {m: statistics.fmean(v) for m, v in by_mask.items()}
+        hit = [per_mask[m] for m in targets if m in per_mask]
+        worst = min(per_mask.values())
+        if not hit:
+            verdict = "no target rows"
+        elif statistics.fmean(hit) < 1 + gain:
+            verdict = "keep off"
+        else:
+            verdict = "adopt" if worst >= 1 - loss else "per-launch"
+        out.append({"pass": which, "cfg": cfg, "per_mask": {m: round(r, 4) for m, r in per_mask.items()},
+                    "verdict": verdict})
+    return out
+
+
 def short(cfg: str) -> str:
     """A setting without the common ``MAGI_GLUON_`` prefixes, for the table."""
     return cfg.replace("MAGI_GLUON_BWD_", "").replace("MAGI_GLUON_FWD_", "")
@@ -52,10 +81,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("jsonl", nargs="+")
     p.add_argument("--base", default=None, help="baseline setting (default: the first timed per pass)")
+    p.add_argument("--target", default="causal,varlen_causal",
+                   help="comma-separated masks a variant must win on (mean ratio over lengths)")
+    p.add_argument("--gain", type=float, default=0.01, help="least win on the targets to adopt (0.01 = 1 %%)")
+    p.add_argument("--loss", type=float, default=0.005, help="largest loss allowed on any mask to adopt")
     args = p.parse_args()
-    for rec in summarise(load_rows(args.jsonl), args.base):
+    summary = summarise(load_rows(args.jsonl), args.base)
+    if not summary:
+        print("no timed rows", file=sys.stderr)
+        return 1
+    for rec in summary:
         print(f"{rec['seqlen']:>6} {rec['mask'][:14]:<14} {rec['pass']} {short(rec['cfg'])[:44]:<44} "
               f"{rec['tflops']:7.1f} +-{rec['spread']:<5} x{rec['ratio']:.3f}")
+    targets = tuple(m for m in args.target.split(",") if m)
+    print(f"\nverdicts (targets {','.join(targets)}: win >= {args.gain:.1%}, any mask loses <= {args.loss:.1%})")
+    for v in verdicts(summary, targets, args.gain, args.loss):
+        masks = " ".join(f"{m}:x{r:.3f}" for m, r in v["per_mask"].items())
+        print(f"{v['pass']} {short(v['cfg'])[:44]:<44} {v['verdict']:<14} {masks}")
     return 0
 
 

@@ -4,15 +4,17 @@
 # twice, alternated (bench/device_run.sh's tests and sweep stages). Summarise the result here with
 #   python bench/ab_summary.py <files_at>/sweep.jsonl
 # Variants (docs/notes/kernel_measurements.md v16-v18):
-#   backward: every program as pieces of 1 or 3 query heads (atomic or TMA dK/dV adds), the dS
-#             exchange without the release mbarrier or through a named barrier, dQ from registers;
+#   backward: every program as pieces of 1 or 3 query heads (atomic or TMA dK/dV adds), 1-head
+#             pieces walking their blocks from the last row back (and that walk alone, measured in v14,
+#             as its reference in the same process), the dS exchange without the release mbarrier or
+#             through a named barrier, dQ from registers;
 #   forward:  persistent (one program per SM over a queue of items), and v15's owed tile-order A/B.
 # PART=bwd or PART=fwd runs one half (e.g. when a call must be shorter); TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BWD_SETS="MAGI_GLUON_BWD_PIECES=1;MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_PIECE_ADD=tma;\
-MAGI_GLUON_BWD_PIECES=3,MAGI_GLUON_BWD_PIECE_ADD=tma;MAGI_GLUON_BWD_DS_SYNC=implied;MAGI_GLUON_BWD_DS_SYNC=named;\
-MAGI_GLUON_BWD_DQ_ADD=atomic"
+MAGI_GLUON_BWD_PIECES=3,MAGI_GLUON_BWD_PIECE_ADD=tma;MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_WALK=head_rev;\
+MAGI_GLUON_BWD_WALK=head_rev;MAGI_GLUON_BWD_DS_SYNC=implied;MAGI_GLUON_BWD_DS_SYNC=named;MAGI_GLUON_BWD_DQ_ADD=atomic"
 FWD_SETS="MAGI_GLUON_FWD_PERSIST=0;MAGI_GLUON_FWD_PERSIST=1;MAGI_GLUON_FWD_ORDER=tile;\
 MAGI_GLUON_FWD_PERSIST=1,MAGI_GLUON_FWD_ORDER=tile"
 TEST_SELECTION="head_pieces or mixed_pieces or dq_atomics or ds_syncs or unsplit or persist"
@@ -39,4 +41,4 @@ if [ "$PART" != bwd ]; then
   [ "$INSTALLED" = 1 ] && TESTS=0  # the backward half already ran every pending test
   ab_half "persist" "$FWD_SETS" "sliding_window varlen_causal varlen_block_causal causal full" 250 70
 fi
-python3 bench/ab_summary.py "$OUT/sweep.jsonl" 2>/dev/null || echo "ab_summary: no timed rows in $OUT/sweep.jsonl"
+python3 bench/ab_summary.py "$OUT/sweep.jsonl" || echo "ab_summary: no timed rows in $OUT/sweep.jsonl"

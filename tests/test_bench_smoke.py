@@ -127,3 +127,25 @@ def test_ab_summary_means_repeats_and_divides_by_the_baseline(tmp_path):
     assert out["fwd", "P=1"]["ratio"] == 1.1 and out["fwd", "P=1"]["base"] == "P=0"
     by_base = {r["cfg"]: r for r in ab.summarise(ab.load_rows([str(path)]), base="X=1") if r["pass"] == "bwd"}
     assert by_base["default"]["ratio"] == round(510 / 540, 4)
+
+
+def test_ab_summary_verdicts_follow_the_adoption_rule():
+    """A variant is adopted only if it wins on the target masks by the gain and no mask loses
+    more than the allowed loss; a target win with a loss elsewhere is a per-launch candidate."""
+    ab = bench_module("ab_summary")
+
+    def rec(cfg, mask, ratio, seqlen=8):
+        return {"seqlen": seqlen, "mask": mask, "pass": "bwd", "cfg": cfg, "ratio": ratio, "base": "default"}
+
+    summary = [rec("default", m, 1.0) for m in ("causal", "full")]
+    summary += [rec("A", "causal", 1.03), rec("A", "causal", 1.00, seqlen=16), rec("A", "full", 0.997)]
+    summary += [rec("B", "causal", 1.05), rec("B", "full", 0.97)]
+    summary += [rec("C", "causal", 1.005), rec("C", "full", 1.02)]
+    summary += [rec("D", "full", 1.05)]
+    got = {v["cfg"]: v for v in ab.verdicts(summary, ("causal",))}
+    assert set(got) == {"A", "B", "C", "D"}, "the baseline gets no verdict"
+    assert got["A"]["verdict"] == "adopt" and got["A"]["per_mask"]["causal"] == 1.015
+    assert got["B"]["verdict"] == "per-launch"
+    assert got["C"]["verdict"] == "keep off"
+    assert got["D"]["verdict"] == "no target rows"
+    assert ab.verdicts(summary, ("causal",), gain=0.02)[0]["verdict"] == "keep off"

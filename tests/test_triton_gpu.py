@@ -250,14 +250,16 @@ def test_gluon_backward_unsplit_matches_dense(case, monkeypatch):
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
-@pytest.mark.parametrize("add", ["atomic", "tma"])
+@pytest.mark.parametrize("add,walk", [("atomic", "head"), ("tma", "head"), ("atomic", "head_rev")])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_head_pieces_match_dense(case, add, monkeypatch):
+def test_gluon_backward_head_pieces_match_dense(case, add, walk, monkeypatch):
     """``MAGI_GLUON_BWD_PIECES=1``: every program as one-query-head pieces, each KV head's tiles
     over one query head before the next, dK/dV added by atomics or by TMA reduce-adds of whole
-    [64, 64] boxes (rows past a tile's keys add zeros, ragged tiles end mid-box)."""
+    [64, 64] boxes (rows past a tile's keys add zeros, ragged tiles end mid-box); also with the
+    blocks walked from the last row back (``head_rev``), the pending A/B's combination."""
     monkeypatch.setenv("MAGI_GLUON_BWD_PIECES", "1")
     monkeypatch.setenv("MAGI_GLUON_BWD_PIECE_ADD", add)
+    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", walk)
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
