@@ -86,7 +86,11 @@ def main() -> int:
     p.add_argument("--gain", type=float, default=0.01, help="least win on the targets to adopt (0.01 = 1 %%)")
     p.add_argument("--loss", type=float, default=0.005, help="largest loss allowed on any mask to adopt")
     args = p.parse_args()
-    summary = summarise(load_rows(args.jsonl), args.base)
+    try:
+        summary = summarise(load_rows(args.jsonl), args.base)
+    except FileNotFoundError as e:
+        print(f"no sweep file: {e.filename}", file=sys.stderr)
+        return 1
     if not summary:
         print("no timed rows", file=sys.stderr)
         return 1

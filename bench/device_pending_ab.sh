@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One device call (about 8-9 minutes): the GPU tests of every opt-in kernel variant not yet
-# measured, then their A/B against the defaults in one process per length, every setting timed
-# twice, alternated (bench/device_run.sh's tests and sweep stages). Summarise the result here with
+# The GPU tests of every opt-in kernel variant not yet measured, then their A/B against the
+# defaults in one process per length, every setting timed twice, alternated (bench/device_run.sh's
+# tests and sweep stages). About 10 minutes in all: run it as two device calls, PART=bwd then
+# PART=fwd TESTS=0. Summarise the result here with
 #   python bench/ab_summary.py <files_at>/sweep.jsonl
-# Variants (docs/notes/kernel_measurements.md v16-v18):
+# Variants (docs/notes/kernel_measurements.md v16-v19):
 #   backward: every program as pieces of 1 or 3 query heads (atomic or TMA dK/dV adds), 1-head
 #             pieces walking their blocks from the last row back (and that walk alone, measured in v14,
 #             as its reference in the same process), the dS exchange without the release mbarrier or
 #             through a named barrier, dQ from registers;
 #   forward:  persistent (one program per SM over a queue of items), and v15's owed tile-order A/B.
-# PART=bwd or PART=fwd runs one half (e.g. when a call must be shorter); TESTS=0 skips the tests.
+# PART=bwd or PART=fwd runs one half (two calls are safer: each stays well inside the 10-minute limit;
+# PART=bwd runs the tests of every pending variant, forward ones too, so follow it with PART=fwd TESTS=0).
+# TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BWD_SETS="MAGI_GLUON_BWD_PIECES=1;MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_PIECE_ADD=tma;\
