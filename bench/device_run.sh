@@ -32,6 +32,10 @@ python3 -c "import magi_comm, magi_kernels" 2>/dev/null || { echo "native instal
   export PYTHONPATH=$PYTHONPATH:$PWD/packages/magi-comm/src:$PWD/packages/magi-kernels/src; tail -5 /tmp/install_magi-comm.log; }
 python3 -c "import magi_comm.native as n, magi_kernels.triton_backend as t; print('native comm', n.AVAILABLE, n.WITH_CUDA, n.REASON, '| kernels', t._native is not None)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# the card in the bench's file names (h200, h100, ...): lent machines may be either, and their
+# numbers are not interchangeable (H100: slower memory); the JSON's meta names the device as well
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z')
+GPU_TAG=${GPU_TAG:-gpu}
 # SM clock, power and temperature every 200 ms for the whole call: says whether a timing ran throttled
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 \
   >> $OUT/gpu_clocks.csv 2>/dev/null &
@@ -71,7 +75,7 @@ for l in sys.stdin:
     r=json.loads(l); f=lambda p:" ".join(f"{k.split(chr(95))[0]}:{r.get(k,0):.0f}" for k in (f"magi_{p}_tflops",f"flex_{p}_tflops",f"cudnn_{p}_tflops")); print(r["seqlen"],r["mask"],"fwd",f("fwd"),"triton:%.0f"%r.get("magi_triton_fwd_tflops",0),"| bwd",f("bwd"),"triton:%.0f"%r.get("magi_triton_bwd_tflops",0),"| err",round(r.get("flex_vs_magi_maxerr",-1),3))'
 if has bench; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} ${BENCH_MASKS:+--masks $BENCH_MASKS} ${BENCH_ARGS:-} \
-    --out $OUT/bench_kernels_h200.json --plot $OUT/bench_kernels_h200.png 2>$OUT/bench.err | grep '^{' | python3 -c "$SUM"
+    --out $OUT/bench_kernels_$GPU_TAG.json --plot $OUT/bench_kernels_$GPU_TAG.png 2>$OUT/bench.err | grep '^{' | python3 -c "$SUM"
 fi
 has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
   > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
