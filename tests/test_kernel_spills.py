@@ -110,8 +110,8 @@ BAD_SWITCHES = [
     ("gluon_bwd", "MAGI_GLUON_BWD_WALK", "rows", "_walk", "must be one of 'head', 'block'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_SPLIT", "yes", "_split", "must be one of '0', '1'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_ROTATE", "on", "_rotate", "must be one of '0', '1'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_PIECES", "two", "_pieces", "must be 0 or a divisor of the GQA group"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_PIECE_ADD", "red", "_piece_add", "must be one of 'atomic', 'tma'"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_PIECES", "two", "_pieces", "must be 'auto', 0 or a divisor of the GQA group"),
+    ("gluon_bwd", "MAGI_GLUON_BWD_PIECE_ADD", "red", "_piece_add", "must be one of 'auto', 'atomic', 'tma'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_DQ_ADD", "red", "_dq_add", "must be one of 'tma', 'atomic'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_DS_SYNC", "none", "_ds_sync", "must be one of 'mbarrier', 'implied', 'named'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_ORDER", "heads", "_kv_major", "must be one of 'kv', 'tile', got 'heads'"),
@@ -135,7 +135,7 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"
     assert gb._walk() == (False, False) and gb._split() and gb._rotate()
-    assert gb._pieces() == 0 and gb._piece_add() == "atomic" and gb._dq_add() == "tma"
+    assert gb._pieces() == "auto" and gb._piece_add() == "auto" and gb._dq_add() == "tma"
     assert gb._ds_sync() == 0
     assert gf._kv_major() and gf._join() and not gf._persist()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]

@@ -244,9 +244,10 @@ def test_gluon_backward_walks_match_dense(case, walk, softcap, monkeypatch):
 
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_backward_unsplit_matches_dense(case, monkeypatch):
-    """``MAGI_GLUON_BWD_SPLIT=0``: every program over its whole GQA group, dK/dV stored (these
-    small launches otherwise run as pieces of one query head with atomic dK/dV)."""
+    """``MAGI_GLUON_BWD_SPLIT=0`` and ``MAGI_GLUON_BWD_PIECES=0``: every program over its whole
+    GQA group, dK/dV stored (these small launches otherwise run as pieces with added dK/dV)."""
     monkeypatch.setenv("MAGI_GLUON_BWD_SPLIT", "0")
+    monkeypatch.setenv("MAGI_GLUON_BWD_PIECES", "0")
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
@@ -261,6 +262,16 @@ def test_gluon_backward_head_pieces_match_dense(case, add, walk, monkeypatch):
     monkeypatch.setenv("MAGI_GLUON_BWD_PIECE_ADD", add)
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", walk)
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
+
+
+@pytest.mark.parametrize("case", list(_ragged_cases()))
+def test_gluon_backward_auto_pieces_of_several_heads_match_dense(case, monkeypatch):
+    """The default ``MAGI_GLUON_BWD_PIECES=auto`` with a GQA group of 6: launches of unequal key
+    tiles run as pieces of 3 query heads with TMA dK/dV adds (``program_order.auto_piece_heads``),
+    equal ones as whole programs."""
+    monkeypatch.delenv("MAGI_GLUON_BWD_PIECES", raising=False)
+    monkeypatch.delenv("MAGI_GLUON_BWD_PIECE_ADD", raising=False)
+    _check_gluon_backward(*_ragged_cases()[case], 12, 2, 0.0, monkeypatch)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
@@ -285,8 +296,10 @@ def test_gluon_backward_ds_syncs_match_dense(case, sync, scores, dq_first, monke
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
-PIECE_VARIANTS = {"tail": {}, "tail_tma": {"MAGI_GLUON_BWD_PIECE_ADD": "tma"},
-                  "all_tma": {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"}}
+PIECE_VARIANTS = {"tail": {"MAGI_GLUON_BWD_PIECES": "0"},
+                  "tail_tma": {"MAGI_GLUON_BWD_PIECES": "0", "MAGI_GLUON_BWD_PIECE_ADD": "tma"},
+                  "all_tma": {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"},
+                  "auto": {}}
 
 
 @pytest.mark.parametrize("variant", list(PIECE_VARIANTS))
@@ -318,6 +331,8 @@ def test_gluon_backward_mixed_pieces_match_whole_programs(mask, variant, monkeyp
                 monkeypatch.setenv(var, value)
             else:
                 monkeypatch.delenv(var, raising=False)
+        if split == "0":  # the reference: whole programs everywhere (no per-launch pieces either)
+            monkeypatch.setenv("MAGI_GLUON_BWD_PIECES", "0")
         grads[split] = tb.ffa_backward(do, q, k, v, out, lse, torch.zeros_like(lse), qr, kr, tm, d ** -0.5, 0.0)
         _, g_lo, g_hi = gluon_bwd.decode_piece(gluon_bwd.last_trace["record"][:, 0].cpu())
         n_heads = g_hi - g_lo

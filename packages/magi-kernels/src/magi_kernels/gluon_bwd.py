@@ -9,9 +9,12 @@ rows) that see its keys, starting at the tile's diagonal block and wrapping
 (``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
 the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
 the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
-part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Opt-in
-variants not yet measured (v16 notes): every program as pieces (``MAGI_GLUON_BWD_PIECES``, their
-adds by TMA with ``MAGI_GLUON_BWD_PIECE_ADD``), register dQ atomics (``MAGI_GLUON_BWD_DQ_ADD``)
+part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Where
+the key tiles differ in length (causal, packed documents), every program runs as pieces over a
+chunk of the GQA group instead, each KV head's tiles over one chunk before the next, so that the
+resident pieces stay on one chunk's rows in L2; their dK/dV go out as TMA reduce-adds
+(``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.05-1.43 on causal, v19). Opt-in
+variants measured slower or even (v19 notes): register dQ atomics (``MAGI_GLUON_BWD_DQ_ADD``)
 and lighter dS exchanges (``MAGI_GLUON_BWD_DS_SYNC``). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
@@ -127,15 +130,19 @@ def _split() -> bool:
     return env_choice("MAGI_GLUON_BWD_SPLIT", "1", ("0", "1")) == "1"
 
 
-def _pieces() -> int:
-    """``MAGI_GLUON_BWD_PIECES=0/s`` (default 0): 0 runs whole programs (but for ``_split``'s
-    tail); s runs every program as pieces of s query heads, each KV head's tiles over one
-    chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV by atomics).
-    The launch order's band is then counted in (KV head, chunk) pieces: ``MAGI_GLUON_BWD_ORDER=2``
-    runs the last two chunks tile-major, ``auto`` chooses on the pieces' costs."""
-    raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "0")
+def _pieces() -> int | str:
+    """``MAGI_GLUON_BWD_PIECES=auto/0/s`` (default auto): 0 runs whole programs (but for
+    ``_split``'s tail); s runs every program as pieces of s query heads, each KV head's tiles
+    over one chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV added
+    into zeroed fp32 buffers). The launch order's band is then counted in (KV head, chunk)
+    pieces: ``MAGI_GLUON_BWD_ORDER=2`` runs the last two chunks tile-major, ``auto`` chooses on
+    the pieces' costs. ``auto``: pieces where the key tiles differ in length (causal, packed
+    documents), whole programs where they do not (``program_order.auto_piece_heads``)."""
+    raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "auto")
+    if raw == "auto":
+        return raw
     if not raw.isdigit():
-        raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 0 or a divisor of the GQA group size, got {raw!r}")
+        raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 'auto', 0 or a divisor of the GQA group size, got {raw!r}")
     return int(raw)
 
 
@@ -167,10 +174,12 @@ def _ds_sync() -> int:
 
 
 def _piece_add() -> str:
-    """``MAGI_GLUON_BWD_PIECE_ADD=atomic/tma`` (default atomic): how a piece adds its dK/dV,
+    """``MAGI_GLUON_BWD_PIECE_ADD=auto/atomic/tma`` (default auto): how a piece adds its dK/dV,
     per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
-    dQ buffer."""
-    return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "atomic", ("atomic", "tma"))
+    dQ buffer (needs BN = 2 BM). ``auto``: TMA where every program runs as pieces and the tiles
+    allow it (v19: pieces of 3 heads with TMA adds were the best set on causal and packed
+    documents), atomics for a split tail's few pieces."""
+    return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "auto", ("auto", "atomic", "tma"))
 
 
 def _trace() -> bool:
@@ -227,10 +236,15 @@ def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) ->
 
 @functools.lru_cache(maxsize=256)
 def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
-                 split: bool, piece_heads: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+                 split: bool, piece_heads: int | str, device: torch.device) -> tuple[torch.Tensor, bool, int]:
     """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
-    piece covers fewer than ``group`` query heads)."""
+    piece covers fewer than ``group`` query heads; the heads per piece of a launch run all as
+    pieces, 0 for whole programs). ``piece_heads="auto"``: ``program_order.auto_piece_heads``."""
     costs = program_order.tile_costs(work, block_rows)
+    if piece_heads == "auto":
+        piece_heads = program_order.auto_piece_heads(costs, group)
+    if piece_heads == group:  # one piece per program: whole programs
+        piece_heads = 0
     if piece_heads:  # the band is chosen over (KV head, query-head chunk) pieces and their costs
         chunks = group // piece_heads
         piece_costs = [program_order.piece_cost(c, piece_heads, group) for c in costs]
@@ -244,7 +258,7 @@ def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | in
             (p, 0, group) for p in order]
         partial = len(pieces) > len(order)
     table = [(p, lo | hi << 16) for p, lo, hi in pieces]
-    return torch.tensor(table, dtype=torch.int32).to(device), partial
+    return torch.tensor(table, dtype=torch.int32).to(device), partial, piece_heads
 
 
 def key_tile_size(d: int) -> int:
@@ -626,16 +640,17 @@ if AVAILABLE:
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
         piece_heads = _pieces()
-        if piece_heads and (hq // hk) % piece_heads:
+        if piece_heads != "auto" and piece_heads and (hq // hk) % piece_heads:
             raise ValueError(f"MAGI_GLUON_BWD_PIECES={piece_heads} must divide the GQA group of {hq // hk} query heads "
-                             "per KV head (or be 0)")
-        order, split = _order_table(work, hk, sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
-                                    piece_heads, q.device)
+                             "per KV head (or be 0 or 'auto')")
+        order, split, all_pieces = _order_table(work, hk, sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
+                                                piece_heads, q.device)
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
         block_walk, reverse = _walk()
-        piece_tma = _piece_add() == "tma"
+        add = _piece_add()
+        piece_tma = add == "tma" or (add == "auto" and bool(all_pieces) and BN // 2 == BM)
         if piece_tma and BN // 2 != BM:
             raise ValueError(f"MAGI_GLUON_BWD_PIECE_ADD=tma stages a warpgroup's {BN // 2} key rows in the {BM}-row "
                              f"dQ buffer: it needs BN = 2 BM (MAGI_GLUON_BWD_CFG), got BM={BM}, BN={BN}")
