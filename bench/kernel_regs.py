@@ -81,7 +81,7 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
 
 
 def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ_FIRST=0, KQ=None, BLOCK_WALK=0,
-                     REVERSE=0, PIECE_TMA=0, DQ_ATOMIC=0, DS_SYNC=0, TRACE=0) -> ASTSource:
+                     REVERSE=0, PIECE_TMA=0, DS_SYNC=0, TRACE=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
     specialisation; ``KQ`` and ``STAGES`` left out are the library's defaults (key-major scores,
     its ring depth), so a bare ``gluon_bwd`` argument reports the kernel that runs."""
@@ -103,7 +103,7 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ
     ptr |= {n: "fp32" for n in FLOATS}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, ROTATE=ROTATE,
                DQ_FIRST=DQ_FIRST, KQ=KQ, BLOCK_WALK=BLOCK_WALK, REVERSE=REVERSE, PIECE_TMA=PIECE_TMA,
-               DQ_ATOMIC=DQ_ATOMIC, DS_SYNC=DS_SYNC, TRACE=TRACE)
+               DS_SYNC=DS_SYNC, TRACE=TRACE)
     return _source(gb._bwd_ws_kernel, ptr, cst, GluonASTSource)
 
 

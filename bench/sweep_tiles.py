@@ -40,7 +40,6 @@ SWEEP_BWD = {
     # the Gluon backward's opt-in variants (v16, unmeasured when written)
     "MAGI_GLUON_BWD_PIECES": ["0", "1", "2", "3"],  # every program as pieces of that many query heads
     "MAGI_GLUON_BWD_PIECE_ADD": ["atomic", "tma"],  # how pieces add their dK/dV
-    "MAGI_GLUON_BWD_DQ_ADD": ["tma", "atomic"],  # dQ by a staged TMA reduce-add or register atomics
     "MAGI_GLUON_BWD_DS_SYNC": ["mbarrier", "implied", "named"],  # the dS exchange between warpgroups
 }
 SWEEP = SWEEP_FWD | SWEEP_BWD

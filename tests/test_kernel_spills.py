@@ -79,16 +79,15 @@ def test_gluon_forward_compiles_without_spills(persist, max_stack):
 
 
 @pytest.mark.parametrize("rotate,kq,extra", [(True, 1, {}), (False, 1, {}), (True, 0, {}), (True, 1, {"PIECE_TMA": 1}),
-                                              (True, 1, {"DQ_ATOMIC": 1}), (True, 1, {"DS_SYNC": 1}),
-                                              (True, 1, {"DS_SYNC": 2})])
+                                              (True, 1, {"DS_SYNC": 1}), (True, 1, {"DS_SYNC": 2})])
 def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq, extra):
     """The Gluon backward compiles for sm_90a with either query-block order and either score
     orientation, both consumers' block loops issuing their 32 wgmma each; spills in those loops
     stay at the measured level (scalar bookkeeping, v9/v10/v12 notes). A change that makes
     ptxas serialise the wgmma (a wait after every one of them) would show as a wait after each
     of the 32; v12's first key-major version had one extra wait, before dP^T (3 allowed + the
-    dQ-first variant's). The opt-in dK/dV reduce-adds of pieces (``PIECE_TMA``), register
-    dQ atomics (``DQ_ATOMIC``) and dS exchanges (``DS_SYNC``) compile too."""
+    dQ-first variant's). The dK/dV reduce-adds of pieces (``PIECE_TMA``) and the opt-in dS
+    exchanges (``DS_SYNC``) compile too."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
@@ -112,7 +111,6 @@ BAD_SWITCHES = [
     ("gluon_bwd", "MAGI_GLUON_BWD_ROTATE", "on", "_rotate", "must be one of '0', '1'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_PIECES", "two", "_pieces", "must be 'auto', 0 or a divisor of the GQA group"),
     ("gluon_bwd", "MAGI_GLUON_BWD_PIECE_ADD", "red", "_piece_add", "must be one of 'auto', 'atomic', 'tma'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_DQ_ADD", "red", "_dq_add", "must be one of 'tma', 'atomic'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_DS_SYNC", "none", "_ds_sync", "must be one of 'mbarrier', 'implied', 'named'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_ORDER", "heads", "_kv_major", "must be one of 'kv', 'tile', got 'heads'"),
     ("gluon_fwd", "MAGI_GLUON_FWD_JOIN", "yes", "_join", "must be one of '0', '1'"),
@@ -135,7 +133,7 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"
     assert gb._walk() == (False, False) and gb._split() and gb._rotate()
-    assert gb._pieces() == "auto" and gb._piece_add() == "auto" and gb._dq_add() == "tma"
+    assert gb._pieces() == "auto" and gb._piece_add() == "auto"
     assert gb._ds_sync() == 0
     assert gf._kv_major() and gf._join() and not gf._persist()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]

@@ -274,15 +274,6 @@ def test_gluon_backward_auto_pieces_of_several_heads_match_dense(case, monkeypat
     _check_gluon_backward(*_ragged_cases()[case], 12, 2, 0.0, monkeypatch)
 
 
-@pytest.mark.parametrize("softcap", [0.0, 4.0])
-@pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_register_dq_atomics_match_dense(case, softcap, monkeypatch):
-    """``MAGI_GLUON_BWD_DQ_ADD=atomic``: each step adds its dQ block with fp32 atomics from the
-    registers (rows past the tensor masked) instead of a TMA reduce-add from shared memory."""
-    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_ADD", "atomic")
-    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
-
-
 @pytest.mark.parametrize("scores,dq_first", [("kq", "0"), ("kq", "1"), ("qk", "1")])
 @pytest.mark.parametrize("sync", ["implied", "named"])
 @pytest.mark.parametrize("case", list(_ragged_cases()))

@@ -13,9 +13,9 @@ part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 a
 the key tiles differ in length (causal, packed documents), every program runs as pieces over a
 chunk of the GQA group instead, each KV head's tiles over one chunk before the next, so that the
 resident pieces stay on one chunk's rows in L2; their dK/dV go out as TMA reduce-adds
-(``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.05-1.43 on causal, v19). Opt-in
-variants measured slower or even (v19 notes): register dQ atomics (``MAGI_GLUON_BWD_DQ_ADD``)
-and lighter dS exchanges (``MAGI_GLUON_BWD_DS_SYNC``). The program forks into:
+(``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.05-1.43 on causal, v19). Opt-in,
+measured even (v19 notes): lighter dS exchanges (``MAGI_GLUON_BWD_DS_SYNC``). The program forks
+into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
@@ -144,14 +144,6 @@ def _pieces() -> int | str:
     if not raw.isdigit():
         raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 'auto', 0 or a divisor of the GQA group size, got {raw!r}")
     return int(raw)
-
-
-def _dq_add() -> str:
-    """``MAGI_GLUON_BWD_DQ_ADD=tma/atomic`` (default tma): how a step adds its dQ block, a TMA
-    bulk reduce-add staged through shared memory (a warpgroup barrier and a wait for the
-    previous add per step, 32 KB of shared-memory writes and reads per step and program) or
-    fp32 atomics straight from the registers."""
-    return env_choice("MAGI_GLUON_BWD_DQ_ADD", "tma", ("tma", "atomic"))
 
 
 DS_SYNCS = ("mbarrier", "implied", "named")
@@ -354,7 +346,7 @@ if AVAILABLE:
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
                   KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr,
-                  DQ_ATOMIC: gl.constexpr, DS_SYNC: gl.constexpr, PART: gl.constexpr):
+                  DS_SYNC: gl.constexpr, PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
@@ -498,18 +490,11 @@ if AVAILABLE:
                         else:
                             dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
                         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-                    if DQ_ATOMIC:  # from registers: no staging buffer to wait for, no warpgroup barrier
-                        # (ptxas keeps a 64-bit address per column pair however the offsets are written)
-                        q_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, dq_layout))
-                        q_cols = gl.arange(0, DH, layout=gl.SliceLayout(0, dq_layout))
-                        row_ptr = DQ + ((mb + q_rows).to(gl.int64) * HQ + h) * D + PART * DH
-                        gl.atomic_add(row_ptr[:, None] + q_cols[None, :], dq * scale,
-                                      mask=(q_rows < T - mb)[:, None], sem="relaxed")
-                    else:
-                        tma.store_wait(0)  # the previous block's reduce-add has read my_dq
-                        my_dq.store(dq * scale)
-                        fence_async_shared()
-                        _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
+                    # (fp32 atomics from the registers instead measured 12-28 % slower: v19)
+                    tma.store_wait(0)  # the previous block's reduce-add has read my_dq
+                    my_dq.store(dq * scale)
+                    fence_async_shared()
+                    _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
                     if DQ_FIRST:  # dK has read this block's Q and dS: release them
                         dk = warpgroup_mma_wait(0, deps=(dk,))
                         mbarrier.arrive(empty_bars.index(s))
@@ -545,7 +530,7 @@ if AVAILABLE:
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr,
                        DQ_FIRST: gl.constexpr, KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr,
-                       PIECE_TMA: gl.constexpr, DQ_ATOMIC: gl.constexpr, DS_SYNC: gl.constexpr,
+                       PIECE_TMA: gl.constexpr, DS_SYNC: gl.constexpr,
                        TRACE: gl.constexpr, TRACE_BUF):
         if TRACE:
             t_start = _globaltimer()
@@ -597,12 +582,12 @@ if AVAILABLE:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
                          hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
-                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC,
+                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA,
                          DS_SYNC, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
                          dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
                          hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
-                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA, DQ_ATOMIC,
+                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA,
                          DS_SYNC, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP, BM, BN, D, STAGES,
@@ -664,7 +649,7 @@ if AVAILABLE:
             lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, PIECE_TMA=piece_tma, DQ_ATOMIC=_dq_add() == "atomic",
+            REVERSE=reverse, PIECE_TMA=piece_tma,
             DS_SYNC=_ds_sync(), TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
         )
         if trace:
