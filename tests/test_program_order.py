@@ -248,25 +248,32 @@ def test_backward_launch_table_of_pieces_is_head_major_at_8k_causal():
     assert not partial_whole and whole[:8, 0].tolist() == [h * 64 for h in range(8)]  # tile-major
 
 
-def test_auto_pieces_split_unequal_tiles_in_the_groups_smallest_factor():
-    """``auto_piece_heads``: tiles of unequal cost (causal, packed documents) run as pieces of
-    the GQA group split in its smallest factor; equal tiles (full, sliding window), MHA and a
-    single tile stay whole programs; ``_order_table("auto")`` follows it."""
+def test_auto_pieces_split_staircase_launches_of_unequal_tiles():
+    """``auto_piece_heads``: unequal tiles of a mostly causal launch run as pieces of the GQA
+    group split in its smallest factor; unequal tiles of full slices (packed documents), equal
+    tiles (full, sliding window), MHA and a single tile stay whole programs; the backend's
+    staircase share counts causal / inv_causal area; ``_order_table("auto")`` follows it."""
     import torch
 
     from magi_kernels import gluon_bwd
+    from magi_kernels import triton_backend as tb
 
     causal = po.tile_costs([8192 - 128 * j for j in range(64)], 64)
     window = po.tile_costs([1088] * 60 + [1024, 768, 512, 256], 64)
     full = po.tile_costs([8192] * 64, 64)
-    assert [po.auto_piece_heads(causal, g) for g in (6, 8, 4, 9, 7, 2, 1)] == [3, 4, 2, 3, 1, 1, 0]
-    assert po.auto_piece_heads(window, 6) == 0 and po.auto_piece_heads(full, 6) == 0
-    assert po.auto_piece_heads(causal[:1], 6) == 0
+    assert [po.auto_piece_heads(causal, g, 1.0) for g in (6, 8, 4, 9, 7, 2, 1)] == [3, 4, 2, 3, 1, 1, 0]
+    assert po.auto_piece_heads(causal, 6, 0.4) == 0  # unequal, but mostly full slices
+    assert po.auto_piece_heads(window, 6, 1.0) == 0 and po.auto_piece_heads(full, 6, 1.0) == 0
+    assert po.auto_piece_heads(causal[:1], 6, 1.0) == 0
+    assert tb.staircase_share(((0, 100, 0, 100, 1), (100, 200, 100, 200, 0))) == pytest.approx(5050 / 15050)
+    assert tb.staircase_share(((0, 100, 0, 100, 2), (0, 100, 0, 100, 3))) == pytest.approx(5050 / 5150)
+    assert tb.staircase_share(()) == 0.0
     work = tuple(8192 - 128 * j for j in range(64))
-    table, partial, heads = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, "auto", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    table, partial, heads = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, "auto", cpu, 1.0)
     assert heads == 3 and partial and len(table) == 64 * 8 * 2
     assert set(table[:64, 1].tolist()) == {0 | 3 << 16}  # KV head 0's tiles over heads [0, 3) first
-    _, _, heads_full = gluon_bwd._order_table((8192,) * 64, 8, 132, "auto", 64, 6, True, "auto", torch.device("cpu"))
-    assert heads_full == 0
-    _, partial_mha, heads_mha = gluon_bwd._order_table(work, 8, 132, "auto", 64, 1, True, "auto", torch.device("cpu"))
+    assert gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, "auto", cpu, 0.0)[2] == 0
+    assert gluon_bwd._order_table((8192,) * 64, 8, 132, "auto", 64, 6, True, "auto", cpu, 1.0)[2] == 0
+    _, partial_mha, heads_mha = gluon_bwd._order_table(work, 8, 132, "auto", 64, 1, True, "auto", cpu, 1.0)
     assert heads_mha == 0 and not partial_mha

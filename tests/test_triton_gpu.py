@@ -266,9 +266,9 @@ def test_gluon_backward_head_pieces_match_dense(case, add, walk, monkeypatch):
 
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_backward_auto_pieces_of_several_heads_match_dense(case, monkeypatch):
-    """The default ``MAGI_GLUON_BWD_PIECES=auto`` with a GQA group of 6: launches of unequal key
-    tiles run as pieces of 3 query heads with TMA dK/dV adds (``program_order.auto_piece_heads``),
-    equal ones as whole programs."""
+    """The default ``MAGI_GLUON_BWD_PIECES=auto`` with a GQA group of 6: mostly causal launches
+    of unequal key tiles run as pieces of 3 query heads with TMA dK/dV adds
+    (``program_order.auto_piece_heads``), the others as whole programs."""
     monkeypatch.delenv("MAGI_GLUON_BWD_PIECES", raising=False)
     monkeypatch.delenv("MAGI_GLUON_BWD_PIECE_ADD", raising=False)
     _check_gluon_backward(*_ragged_cases()[case], 12, 2, 0.0, monkeypatch)

@@ -10,7 +10,8 @@ rows) that see its keys, starting at the tile's diagonal block and wrapping
 the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
 the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
 part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Where
-the key tiles differ in length (causal, packed documents), every program runs as pieces over a
+the key tiles of causal slices differ in length (causal, packed causal documents), every program
+runs as pieces over a
 chunk of the GQA group instead, each KV head's tiles over one chunk before the next, so that the
 resident pieces stay on one chunk's rows in L2; their dK/dV go out as TMA reduce-adds
 (``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.05-1.43 on causal, v19). Opt-in,
@@ -228,13 +229,15 @@ def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) ->
 
 @functools.lru_cache(maxsize=256)
 def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
-                 split: bool, piece_heads: int | str, device: torch.device) -> tuple[torch.Tensor, bool, int]:
+                 split: bool, piece_heads: int | str, device: torch.device,
+                 staircase_share: float = 0.0) -> tuple[torch.Tensor, bool, int]:
     """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
     piece covers fewer than ``group`` query heads; the heads per piece of a launch run all as
-    pieces, 0 for whole programs). ``piece_heads="auto"``: ``program_order.auto_piece_heads``."""
+    pieces, 0 for whole programs). ``piece_heads="auto"``: ``program_order.auto_piece_heads``
+    on the tile costs and ``staircase_share`` (the causal / inv_causal share of the area)."""
     costs = program_order.tile_costs(work, block_rows)
     if piece_heads == "auto":
-        piece_heads = program_order.auto_piece_heads(costs, group)
+        piece_heads = program_order.auto_piece_heads(costs, group, staircase_share)
     if piece_heads == group:  # one piece per program: whole programs
         piece_heads = 0
     if piece_heads:  # the band is chosen over (KV head, query-head chunk) pieces and their costs
@@ -617,10 +620,12 @@ if AVAILABLE:
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, shared_layout(*box, dq.dtype))
 
     def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
-               softcap, accum):
+               softcap, accum, staircase_share=0.0):
         """One launch over the key tiles (key-tile tables of block ``key_tile_size(d)``; ``work``:
         the host copy of their work, which sets the launch order) x KV heads. ``dq`` is an fp32
-        accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to)."""
+        accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to).
+        ``staircase_share``: the causal / inv_causal share of the mask's area (whether the
+        launch runs as pieces, ``program_order.auto_piece_heads``)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages = _config(d)
@@ -629,7 +634,7 @@ if AVAILABLE:
             raise ValueError(f"MAGI_GLUON_BWD_PIECES={piece_heads} must divide the GQA group of {hq // hk} query heads "
                              "per KV head (or be 0 or 'auto')")
         order, split, all_pieces = _order_table(work, hk, sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
-                                                piece_heads, q.device)
+                                                piece_heads, q.device, round(staircase_share, 3))
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()

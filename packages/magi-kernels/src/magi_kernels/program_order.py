@@ -41,10 +41,13 @@ SPLIT_GAIN = 0.01
 TILE_OVERHEAD_BLOCKS = 1.0
 # a piece's fixed cost in query blocks: the K/V load, the pipeline fill, the dK/dV atomics
 PIECE_OVERHEAD_BLOCKS = 1.5
-# tiles whose costs vary more than this (coefficient of variation) run as pieces of a query-head
-# chunk (``auto_piece_heads``): causal 0.57, packed documents 0.43-0.76, sliding window 0.10-0.20,
-# full 0 at 8k-32k (bench masks)
+# a launch runs as pieces of a query-head chunk (``auto_piece_heads``) when its tile costs vary
+# more than this (coefficient of variation: causal 0.57, packed documents 0.41-0.76, sliding
+# window 0.06-0.20, full 0 at 8k-32k, bench masks) ...
 PIECES_MIN_CV = 0.3
+# ... and at least this share of its area lies in staircase slices (causal / inv_causal), whose
+# neighbouring key tiles see different numbers of query rows
+PIECES_MIN_STAIRCASE = 0.5
 # a simulated tail this close to longest-first's is not worth giving up L2 locality for (v11:
 # at 8k varlen causal a band of 4, 4 % behind in the model, measured 318 TFLOP/s, tile-major 297)
 TOLERANCE = 0.05
@@ -221,18 +224,24 @@ def head_chunk_pieces(n_tiles: int, n_heads: int, group: int, heads: int, band: 
     return pieces
 
 
-def auto_piece_heads(costs: Sequence[float], group: int, min_cv: float = PIECES_MIN_CV) -> int:
-    """Query heads per piece for a launch whose key tiles cost ``costs`` (0: whole programs).
+def auto_piece_heads(costs: Sequence[float], group: int, staircase_share: float, min_cv: float = PIECES_MIN_CV,
+                     min_staircase: float = PIECES_MIN_STAIRCASE) -> int:
+    """Query heads per piece for a launch whose key tiles cost ``costs`` (0: whole programs),
+    ``staircase_share`` of whose mask area is in causal / inv_causal slices.
 
-    Tiles of unequal length drift apart over the GQA group's query heads, so the resident
-    programs read many heads' Q/dO/dQ and miss L2 (16k causal: 29.5 KB of DRAM per step against
-    2-3 KB on the full mask, v19). Pieces over a chunk of the group, each KV head's tiles over
-    one chunk before the next, keep them on one chunk. The chunk is the group split in its
-    smallest factor (6 -> 2 chunks of 3): pieces of 3 of 6 heads measured x1.05-1.43 on causal
-    and x1.07-1.11 on packed documents at 8k-32k, and within 1.5 % of whole programs on the full
-    mask (H100, v19). Equal tiles (full, sliding window) stay whole: they walk the heads in
-    step, and a piece's fixed cost would be paid for nothing."""
-    if group < 2 or len(costs) < 2:
+    Key tiles of one staircase slice see different numbers of query rows, so whole programs of
+    neighbouring tiles drift apart over the GQA group's query heads and the resident programs
+    read many heads' Q/dO/dQ rows: 16k causal moves 29.5 KB of DRAM per step against 2-3 KB on
+    the full mask (v19). Pieces over a chunk of the group, each KV head's tiles over one chunk
+    before the next, keep them on one chunk. The chunk is the group split in its smallest
+    factor (6 -> 2 chunks of 3). Measured on an H100 (v19), against whole programs:
+    * causal: x1.38 / 1.09 / 1.06 at 8k / 16k / 32k;
+    * packed causal documents: x1.08 / 1.02 / 1.09;
+    * packed full documents and block-causal documents (full slices: every tile of a document
+      walks its heads in step; the tiles differ only between documents, whose rows are few and
+      disjoint): x0.94-1.00, so they stay whole programs, as do equal tiles (full, sliding
+      window), which pay a piece's fixed cost for nothing."""
+    if group < 2 or len(costs) < 2 or staircase_share < min_staircase:
         return 0
     mean = sum(costs) / len(costs)
     cv = (sum((c - mean) ** 2 for c in costs) / len(costs)) ** 0.5 / mean if mean > 0 else 0.0

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from magi_solver.mask import slice_area
 
 from . import gluon_bwd, gluon_fwd
 from .env_config import env_choice, env_config
@@ -550,6 +551,15 @@ def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Ten
     return per_tensor(q_ranges, "slice_table", build, k_ranges, types)
 
 
+@functools.lru_cache(maxsize=256)
+def staircase_share(slices: tuple[tuple[int, ...], ...]) -> float:
+    """The share of the slices' area in causal / inv_causal slices (the Gluon backward runs such
+    launches as pieces where their tiles differ in length, ``program_order.auto_piece_heads``)."""
+    areas = [(slice_area(qe - qs, ke - ks, t), t in (1, 2)) for qs, qe, ks, ke, t in slices]
+    total = sum(a for a, _ in areas)
+    return sum(a for a, stair in areas if stair) / total if total else 0.0
+
+
 def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, float]:
     """(qk_scale, cap_in, cap_out): base-2 score = dot * qk_scale, or cap_out * tanh(dot * cap_in)."""
     if softcap > 0:
@@ -699,7 +709,7 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
         for li, (tiles, members, n, work) in enumerate(kv_layers):
             gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, work, softmax_scale,
-                             qk_scale, cap_in, cap_out, softcap, li > 0)
+                             qk_scale, cap_in, cap_out, softcap, li > 0, staircase_share(slices))
         return dq, dk, dv
     BM1, BN1, warps1, stages1 = _bwd_config(d)
     BM2, BN2, warps2, stages2 = _dq_config(d)
