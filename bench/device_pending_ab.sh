@@ -1,26 +1,22 @@
 #!/usr/bin/env bash
 # The GPU tests of every opt-in kernel variant not yet measured, then their A/B against the
 # defaults in one process per length, every setting timed twice, alternated (bench/device_run.sh's
-# tests and sweep stages). About 10 minutes in all: run it as two device calls, PART=bwd then
-# PART=fwd TESTS=0. Summarise the result here with
+# tests and sweep stages). About 6-7 minutes in all, one device call (PART splits it in two).
+# Summarise the result here with
 #   python bench/ab_summary.py <files_at>/sweep.jsonl
-# Variants (docs/notes/kernel_measurements.md v16-v19):
-#   backward: every program as pieces of 1 or 3 query heads (atomic or TMA dK/dV adds), 1-head
-#             pieces walking their blocks from the last row back (and that walk alone, measured in v14,
-#             as its reference in the same process), the dS exchange without the release mbarrier or
-#             through a named barrier, dQ from registers;
-#   forward:  persistent (one program per SM over a queue of items), and v15's owed tile-order A/B.
-# PART=bwd or PART=fwd runs one half (two calls are safer: each stays well inside the 10-minute limit;
-# PART=bwd runs the tests of every pending variant, forward ones too, so follow it with PART=fwd TESTS=0).
-# TESTS=0 skips the tests.
+# Still pending after v19 (docs/notes/kernel_measurements.md), each on the card it lands on:
+#   backward: the per-launch pieces (default) against whole programs everywhere
+#             (MAGI_GLUON_BWD_PIECES=0): measured on an H100 only;
+#   forward:  persistent (one program per SM over a queue of items; x1.00-1.08 on the H100, not
+#             yet the default), and v15's owed tile-order A/B on sliding window and block-causal.
+# PART=bwd or PART=fwd runs one half (PART=bwd runs the tests of every pending variant, forward
+# ones too, so follow it with PART=fwd TESTS=0). TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BWD_SETS="MAGI_GLUON_BWD_PIECES=1;MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_PIECE_ADD=tma;\
-MAGI_GLUON_BWD_PIECES=3,MAGI_GLUON_BWD_PIECE_ADD=tma;MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_WALK=head_rev;\
-MAGI_GLUON_BWD_WALK=head_rev;MAGI_GLUON_BWD_DS_SYNC=implied;MAGI_GLUON_BWD_DS_SYNC=named"
+BWD_SETS="MAGI_GLUON_BWD_PIECES=0"
 FWD_SETS="MAGI_GLUON_FWD_PERSIST=0;MAGI_GLUON_FWD_PERSIST=1;MAGI_GLUON_FWD_ORDER=tile;\
 MAGI_GLUON_FWD_PERSIST=1,MAGI_GLUON_FWD_ORDER=tile"
-TEST_SELECTION="head_pieces or mixed_pieces or ds_syncs or unsplit or persist"
+TEST_SELECTION="auto_pieces or head_pieces or mixed_pieces or unsplit or persist"
 PART=${PART:-all}
 TESTS=${TESTS:-1}
 INSTALLED=0
@@ -37,7 +33,7 @@ ab_half() {
 }
 
 if [ "$PART" != fwd ]; then
-  ab_half "$TEST_SELECTION" "default;$BWD_SETS" "causal full varlen_causal" 300 100
+  ab_half "$TEST_SELECTION" "default;$BWD_SETS" "causal full varlen_causal varlen_full varlen_block_causal" 300 100
 fi
 if [ "$PART" != bwd ]; then
   echo "=== forward A/B"
