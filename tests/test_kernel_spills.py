@@ -135,7 +135,7 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     assert gb._walk() == (False, False) and gb._split() and gb._rotate()
     assert gb._pieces() == "auto" and gb._piece_add() == "auto"
     assert gb._ds_sync() == 0
-    assert gf._kv_major() and gf._join() and not gf._persist()
+    assert gf._kv_major() and gf._join() and gf._persist()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")

@@ -116,9 +116,9 @@ def test_triton_token_offsets_beyond_int32():
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     """The warp-specialised Gluon forward (the default on sm90 at d=128) in each consumer
-    layout and ring depth, with the mask alone in the partial-block branch
+    layout and ring depth, one program per item, with the mask alone in the partial-block branch
     (``MAGI_GLUON_FWD_JOIN=0``), in the tile-major launch order (``MAGI_GLUON_FWD_ORDER=tile``)
-    and persistent (``MAGI_GLUON_FWD_PERSIST=1``; ``persist3``: as if on 3 SMs, so every program
+    and persistent (``MAGI_GLUON_FWD_PERSIST=1``, the default; ``persist3``: as if on 3 SMs, so every program
     runs a queue of many tiles of different lengths), against the float64 reference; the
     Triton forward must agree, and a persistent launch must give the same bits as one program
     per tile (each tile runs the same instructions)."""
@@ -133,8 +133,8 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
         monkeypatch.setenv("MAGI_GLUON_FWD_CFG", "128,128,2,1,0")
     elif cfg and not cfg.startswith("persist"):
         monkeypatch.setenv("MAGI_GLUON_FWD_CFG", cfg)
-    if cfg.startswith("persist"):
-        monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1")
+    # the persistent launch (the default) on the "persist" configs, one program per item on the others
+    monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1" if cfg.startswith("persist") else "0")
     if cfg.startswith("persist3"):
         monkeypatch.setattr(gf, "sm_count", lambda device: 3)  # (the queue cache is keyed by the SM count)
     slices, S = _ragged_cases()[case]
@@ -175,6 +175,7 @@ def test_gluon_forward_persistent_is_bitwise_per_tile(mask, monkeypatch):
     q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
     if not tb._use_gluon(q, k, v):
         pytest.skip("the Gluon forward needs sm90")
+    monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "0")
     out_1, lse_1 = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
     monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1")
     out, lse = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
