@@ -65,7 +65,7 @@ def _gluon_desc(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> st
 
 
 def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=True, JOIN=True, KV_MAJOR=True,
-                     PERSIST=False) -> ASTSource:
+                     PERSIST=False, HAS_SOFTCAP=False, ACCUM=False) -> ASTSource:
     """The warp-specialised Gluon forward (``magi_kernels.gluon_fwd``) with the bench's
     specialisation."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -75,8 +75,8 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D), "O": "*bf16", "LSE": "*fp32",
            "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "QUEUE": "*i32", "HQ": "i32",
            "N_TILES": "i32"} | {n: "fp32" for n in FLOATS[1:]}
-    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, PARTS=PARTS, PING=PING,
-               JOIN=JOIN, KV_MAJOR=KV_MAJOR, PERSIST=PERSIST)
+    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=HAS_SOFTCAP, ACCUM=ACCUM, PARTS=PARTS,
+               PING=PING, JOIN=JOIN, KV_MAJOR=KV_MAJOR, PERSIST=PERSIST)
     return _source(gf._fwd_ws_kernel, ptr, cst, GluonASTSource)
 
 
