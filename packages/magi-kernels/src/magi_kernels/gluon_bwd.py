@@ -10,13 +10,12 @@ rows) that see its keys, starting at the tile's diagonal block and wrapping
 the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
 the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
 part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Where
-the key tiles of causal slices differ in length (causal, packed causal documents), every program
-runs as pieces over a
-chunk of the GQA group instead, each KV head's tiles over one chunk before the next, so that the
-resident pieces stay on one chunk's rows in L2; their dK/dV go out as TMA reduce-adds
-(``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.05-1.43 on causal, v19). Opt-in,
-measured even (v19 notes): lighter dS exchanges (``MAGI_GLUON_BWD_DS_SYNC``). The program forks
-into:
+the key tiles of causal slices differ in length (causal, packed causal documents), every
+program runs as pieces over a chunk of the GQA group instead, each KV head's tiles over one
+chunk before the next, so that the resident pieces stay on one chunk's rows in L2; their dK/dV
+go out as TMA reduce-adds (``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.06-1.38
+on causal, v19). Opt-in, measured even (v19 notes): lighter dS exchanges
+(``MAGI_GLUON_BWD_DS_SYNC``). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
@@ -137,8 +136,9 @@ def _pieces() -> int | str:
     over one chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV added
     into zeroed fp32 buffers). The launch order's band is then counted in (KV head, chunk)
     pieces: ``MAGI_GLUON_BWD_ORDER=2`` runs the last two chunks tile-major, ``auto`` chooses on
-    the pieces' costs. ``auto``: pieces where the key tiles differ in length (causal, packed
-    documents), whole programs where they do not (``program_order.auto_piece_heads``)."""
+    the pieces' costs. ``auto``: pieces where the key tiles of causal slices differ in length
+    (causal, packed causal documents), whole programs elsewhere
+    (``program_order.auto_piece_heads``)."""
     raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "auto")
     if raw == "auto":
         return raw
@@ -171,7 +171,7 @@ def _piece_add() -> str:
     per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
     dQ buffer (needs BN = 2 BM). ``auto``: TMA where every program runs as pieces and the tiles
     allow it (v19: pieces of 3 heads with TMA adds were the best set on causal and packed
-    documents), atomics for a split tail's few pieces."""
+    causal documents), atomics for a split tail's few pieces."""
     return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "auto", ("auto", "atomic", "tma"))
 
 

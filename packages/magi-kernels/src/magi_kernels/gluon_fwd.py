@@ -87,7 +87,8 @@ def _kv_major() -> bool:
 def _persist() -> bool:
     """``MAGI_GLUON_FWD_PERSIST=0/1`` (default 1): one program per SM that runs a queue of
     (query tile, head) items (``_queue_table``) instead of one program per item (0). Measured
-    x1.00-1.08 over one program per item on an H100, most on packed documents (v19 notes). The loader then loads the next item's query rows and first key blocks while the
+    x1.00-1.08 over one program per item on an H100, most on packed documents (v19 notes). The
+    loader loads the next item's query rows and first key blocks while the
     consumers write the current one's output, and no program launch or setup comes between
     items: a short item's fixed cost (setup, pipeline fill, output) is an estimated 3 us of a
     sliding window tile's 21 us (v17 notes). The query buffer is single (no shared memory is
