@@ -245,7 +245,7 @@ def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | in
         piece_costs = [program_order.piece_cost(c, piece_heads, group) for c in costs]
         band = order_band(piece_costs, n_heads * chunks, n_sms, mode)
         pieces = program_order.head_chunk_pieces(len(work), n_heads, group, piece_heads, band)
-        partial = piece_heads < group
+        partial = True  # (piece_heads < group here: a whole group is whole programs, above)
     else:
         band = order_band(costs, n_heads, n_sms, mode)
         order = program_order.band_order(len(work), n_heads, band)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from magi_solver.mask import slice_area
+from magi_solver.mask import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
 from .env_config import env_choice, env_config
@@ -555,7 +555,8 @@ def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Ten
 def staircase_share(slices: tuple[tuple[int, ...], ...]) -> float:
     """The share of the slices' area in causal / inv_causal slices (the Gluon backward runs such
     launches as pieces where their tiles differ in length, ``program_order.auto_piece_heads``)."""
-    areas = [(slice_area(qe - qs, ke - ks, t), t in (1, 2)) for qs, qe, ks, ke, t in slices]
+    stairs = (AttnMaskType.CAUSAL, AttnMaskType.INVCAUSAL)
+    areas = [(slice_area(qe - qs, ke - ks, t), t in stairs) for qs, qe, ks, ke, t in slices]
     total = sum(a for a, _ in areas)
     return sum(a for a, stair in areas if stair) / total if total else 0.0
 
@@ -707,9 +708,10 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
         dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
         dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
+        stairs = staircase_share(slices)
         for li, (tiles, members, n, work) in enumerate(kv_layers):
             gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, work, softmax_scale,
-                             qk_scale, cap_in, cap_out, softcap, li > 0, staircase_share(slices))
+                             qk_scale, cap_in, cap_out, softcap, li > 0, stairs)
         return dq, dk, dv
     BM1, BN1, warps1, stages1 = _bwd_config(d)
     BM2, BN2, warps2, stages2 = _dq_config(d)
