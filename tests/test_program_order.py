@@ -239,12 +239,12 @@ def test_backward_launch_table_of_pieces_is_head_major_at_8k_causal():
 
     work = tuple(8192 - 128 * j for j in range(64))
     table, partial, heads_per_piece = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, 1,
-                                                             torch.device("cpu"))
+                                                             torch.device("cpu"), 1.0)
     prog, heads = table[:, 0].tolist(), table[:, 1].tolist()
     assert partial and heads_per_piece == 1 and len(prog) == 64 * 8 * 6
     assert prog[:64] == list(range(64)) and all(h == (0 | 1 << 16) for h in heads[:64])
     assert prog[64:128] == list(range(64)) and all(h == (1 | 2 << 16) for h in heads[64:128])
-    whole, partial_whole, _ = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, False, 0, torch.device("cpu"))
+    whole, partial_whole, _ = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, False, 0, torch.device("cpu"), 1.0)
     assert not partial_whole and whole[:8, 0].tolist() == [h * 64 for h in range(8)]  # tile-major
 
 

@@ -230,7 +230,7 @@ def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) ->
 @functools.lru_cache(maxsize=256)
 def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
                  split: bool, piece_heads: int | str, device: torch.device,
-                 staircase_share: float = 0.0) -> tuple[torch.Tensor, bool, int]:
+                 staircase_share: float) -> tuple[torch.Tensor, bool, int]:
     """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
     piece covers fewer than ``group`` query heads; the heads per piece of a launch run all as
     pieces, 0 for whole programs). ``piece_heads="auto"``: ``program_order.auto_piece_heads``
@@ -344,8 +344,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
-                  dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA,
-                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out,
+                  dk_desc, dv_desc, DK, DV, LSE2, DELTA,
+                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                   HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
                   KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr,
@@ -583,13 +583,13 @@ if AVAILABLE:
 
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
-                         hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
+                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
+                         hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
                          HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA,
                          DS_SYNC, 0)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
-                         hk, g_lo, g_hi, HK, HQ, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
+                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
+                         hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
                          HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA,
                          DS_SYNC, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
@@ -620,7 +620,7 @@ if AVAILABLE:
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, shared_layout(*box, dq.dtype))
 
     def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
-               softcap, accum, staircase_share=0.0):
+               softcap, accum, staircase_share):
         """One launch over the key tiles (key-tile tables of block ``key_tile_size(d)``; ``work``:
         the host copy of their work, which sets the launch order) x KV heads. ``dq`` is an fp32
         accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to).
