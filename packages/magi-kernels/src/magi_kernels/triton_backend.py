@@ -636,6 +636,14 @@ def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return env == "1" or q.shape[-1] in gluon_fwd.DEFAULT_HEAD_DIMS
 
 
+def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[bool, bool, tuple[int, int, int, int]]:
+    """(whether the forward runs the Gluon kernel, whether it loads K/V through TMA, its
+    (BM, BN, warps, stages); BM is the query-tile size its tile tables are built for)."""
+    gluon = _use_gluon(q, k, v)
+    tma = _use_tma(q) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
+    return gluon, tma, ((gluon_fwd.tile_rows(q.shape[-1]), 0, 0, 0) if gluon else _fwd_config(q.shape[-1], tma))
+
+
 def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:  # zero-padded head dim (kernel_head_dim); scale stays the caller's
@@ -646,9 +654,7 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     tq, hq, d = q.shape
     hk = k.shape[1]
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
-    gluon = _use_gluon(q, k, v)
-    tma = _use_tma(q) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
-    BM, BN, warps, stages = (gluon_fwd.tile_rows(d), 0, 0, 0) if gluon else _fwd_config(d, tma)
+    gluon, tma, (BM, BN, warps, stages) = _fwd_plan(q, k, v)
     meta, layers, covered = _tiles(slices, 0, BM, str(q.device), tq)
     # one layer writes every row once: the kernel can write q's dtype directly; several layers
     # merge into an fp32 accumulator
