@@ -97,7 +97,7 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
            "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),
            "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32),
-           "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DQ": "*fp32", "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
+           "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
            "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
            "HQ": "i32", "TRACE_BUF": "*i64"}
     ptr |= {n: "fp32" for n in FLOATS}

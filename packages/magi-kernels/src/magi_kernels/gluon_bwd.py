@@ -528,7 +528,7 @@ if AVAILABLE:
             gl.store(DV + ptr, dv, mask=kmask)
 
     @gluon.jit
-    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DQ, DK, DV, LSE2, DELTA, META,
+    def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META,
                        TILES, MEMBERS, ORDER, N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out,
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr,
@@ -650,7 +650,7 @@ if AVAILABLE:
         trace = _trace()
         trace_buf = torch.zeros(len(order), 4, dtype=torch.int64, device=q.device) if trace else dq
         _bwd_ws_kernel[(len(order),)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dq, dk, dv,
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dk, dv,
             lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
