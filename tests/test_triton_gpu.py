@@ -76,6 +76,50 @@ def test_triton_softcap_and_dist_path_agree_with_torch_backend():
     torch.testing.assert_close(la[fin], lb[fin], atol=1e-2, rtol=1e-2)
 
 
+def _documents(lengths: list[int], mask_type: int) -> list[tuple[int, int, int, int, int]]:
+    bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    return [(a, b, a, b, mask_type) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_new_mask_runs_without_host_sync(d):
+    """A mask the caches have not seen, with its ranges as CPU tensors: the tile tables are built
+    on the host and uploaded without waiting for the device, forward and backward (torch's sync
+    debug mode raises on any sync). Then the results of that run are checked against the dense
+    reference, so a table read before its upload landed would fail too. d=128 runs the Gluon
+    kernels on sm90, d=64 the Triton ones."""
+    S, hq, hk = 1000, 8, 2
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))
+    g = torch.randn(S, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def run(slices):
+        for t in (q, k, v):
+            t.grad = None
+        ranges = ([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices])
+        out, lse = flex_flash_attn_func(q, k, v, *(torch.tensor(r, dtype=torch.int32) for r in ranges),
+                                        backend="triton")
+        out.backward(g)
+        return out, lse
+
+    run(_documents([137, 389, 474], 1))  # compiles the kernels (not what is under test)
+    slices = _documents([211, 522, 158, 109], 1) + [(900, 1000, 0, 211, 0)]  # unseen: the caches miss
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = run(slices)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ro, rl = dense_attention(q64, k64, v64, dense_mask(slices, S, S, device="cuda"))
+    ro.backward(g.double())
+    tol = 2e-2  # bf16 inputs, P and dS rounded to bf16 before the second matmul
+    torch.testing.assert_close(out.double(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), rl, atol=tol, rtol=tol)
+    for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert ((a.double() - b).abs().max() / b.abs().max().clamp(min=1)) < 4 * tol
+
+
 def test_triton_token_offsets_beyond_int32():
     """q has more than 2**31 elements: rows near the end must address memory with 64-bit
     offsets. Sliding-window causal keeps it cheap; with the output gradient non-zero only on

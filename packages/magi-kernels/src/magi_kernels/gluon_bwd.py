@@ -46,6 +46,7 @@ import torch
 
 from . import program_order
 from .env_config import env_choice, env_config
+from .host_cache import upload
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
 if AVAILABLE:
@@ -253,7 +254,7 @@ def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | in
             (p, 0, group) for p in order]
         partial = len(pieces) > len(order)
     table = [(p, lo | hi << 16) for p, lo, hi in pieces]
-    return torch.tensor(table, dtype=torch.int32).to(device), partial, piece_heads
+    return upload(torch.tensor(table, dtype=torch.int32), device), partial, piece_heads
 
 
 def key_tile_size(d: int) -> int:

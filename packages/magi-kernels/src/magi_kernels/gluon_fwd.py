@@ -37,6 +37,7 @@ import torch
 
 from . import program_order
 from .env_config import env_choice, env_config
+from .host_cache import upload
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
 if AVAILABLE:
@@ -120,7 +121,7 @@ def _queue_table(work: tuple[int, ...], hq: int, group: int, kv_major: bool, blo
     for qu in queues:
         offsets.append(offsets[-1] + len(qu))
     table = offsets + [item for qu in queues for item in qu]
-    return torch.tensor(table, dtype=torch.int32).to(device), len(queues)
+    return upload(torch.tensor(table, dtype=torch.int32), device), len(queues)
 
 
 def tile_rows(d: int) -> int:

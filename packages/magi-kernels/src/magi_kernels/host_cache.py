@@ -4,6 +4,9 @@ Reading a GPU tensor on the host (``.tolist()``) synchronises the device. Metada
 (slice ranges, packed position ids, ``cu_seqlens``) are passed unchanged to every layer of a
 forward, so their host form is memoised per tensor object and in-place version: the first
 call pays the read, later calls a dictionary lookup. Entries die with their tensor.
+
+The other way, tables built on the host go to the GPU with ``upload``, which does not wait for
+the device either.
 """
 
 from __future__ import annotations
@@ -28,3 +31,20 @@ def per_tensor(t: torch.Tensor, tag: str, compute: Callable[[], T], *others: tor
     value = compute()
     _MEMO[key] = (weakref.ref(t, lambda _, k=key: _MEMO.pop(k, None)), stamp, value)
     return value
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device``, without a host sync.
+
+    A plain ``.to("cuda")`` of pageable memory copies and then synchronises the stream, so the
+    host would wait for every kernel already queued (a new mask in a training step stalls the
+    launch queue). From pinned memory the copy is queued on the current stream instead, behind
+    those kernels and ahead of the ones that read it; torch's pinned-memory cache keeps the
+    buffer until the copy has run. The tables are read on the stream that uploaded them (the
+    launch that built them); another stream may use them once that launch has been ordered
+    before it, as any tensor made on one stream and read on another must be.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -36,7 +36,7 @@ from magi_solver.mask import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
 from .env_config import env_choice, env_config
-from .host_cache import per_tensor
+from .host_cache import per_tensor, upload
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
@@ -172,8 +172,8 @@ def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: s
         table, members, work = _group_tiles(meta_cpu, sid, start, axis, block)
         if li == 0:  # tiles of a layer are disjoint: the rows layer 0 writes
             covered = int((table[:, 1] - table[:, 0]).sum())
-        layers.append((table.to(device), members.to(device), len(table), work))
-    return meta_cpu.to(device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
+        layers.append((upload(table, device), upload(members, device), len(table), work))
+    return upload(meta_cpu, device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
 
 
 if AVAILABLE:
