@@ -120,3 +120,34 @@ def test_ipc_backend_reports_why_it_cannot_run():
     assert not ok and why
     with pytest.raises(RuntimeError, match="CUDA IPC group collectives are unavailable"):
         IpcArena(None, 1024, torch.device("cpu"))
+
+
+def test_on_device_returns_cpu_tensors_unchanged():
+    from magi_comm.device_index import on_device
+
+    rows = torch.arange(7)
+    assert on_device(rows, "cpu") is rows  # the gloo path: no copy at all
+
+
+@pytest.mark.gpu
+def test_on_device_copies_once_without_a_host_sync():
+    """Plan rows go to the GPU once, from pinned memory, with no sync (torch's sync debug mode
+    raises on one); an in-place change of the CPU rows makes a fresh copy; the values match."""
+    from magi_comm import native
+    from magi_comm.device_index import on_device
+
+    torch.manual_seed(0)
+    rows = torch.randint(0, 100, (57,))
+    x = torch.randn(100, 3, 8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = on_device(rows, x.device)
+        assert on_device(rows, "cuda") is first
+        gathered = native.range_gather(x, rows)
+        rows[0] = 99 - rows[0]
+        second = on_device(rows, x.device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert second is not first
+    assert torch.equal(second.cpu(), rows) and torch.equal(gathered, x[first])

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from magi_comm import all_gather_rows
+from magi_comm.device_index import on_device
 from magi_kernels import resolve_backend
 from magi_kernels.validation import check_qkv
 from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
@@ -182,7 +183,7 @@ class _Dispatch(torch.autograd.Function):
         pad = rt.padded_seqlen - x.shape[0]
         if pad:
             x = torch.cat([x, x.new_full((pad, *x.shape[1:]), pad_value)], dim=0)
-        return x.index_select(0, rt.local_index.to(x.device))
+        return x.index_select(0, on_device(rt.local_index, x.device))
 
     @staticmethod
     def backward(ctx, grad):
@@ -194,7 +195,7 @@ class _Dispatch(torch.autograd.Function):
 def _gather_unpermute(x_local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
     gathered = all_gather_rows(x_local, rt.group)
     out = torch.empty_like(gathered)
-    out.index_copy_(0, rt.perm.to(x_local.device), gathered)
+    out.index_copy_(0, on_device(rt.perm, x_local.device), gathered)
     return out
 
 
@@ -210,7 +211,7 @@ class _Undispatch(torch.autograd.Function):
         pad = rt.padded_seqlen - grad.shape[0]
         if pad:
             grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
-        return grad.index_select(0, rt.local_index.to(grad.device)), None
+        return grad.index_select(0, on_device(rt.local_index, grad.device)), None
 
 
 def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import native
+from .device_index import on_device
 
 REDUCE_OPS = ("sum", "lse")
 
@@ -193,7 +194,7 @@ def group_cast(
     (recv,), works = _exchange([input], plan, group, world)
 
     def finish():
-        output.index_copy_(0, plan.recv_rows.to(output.device), recv)
+        output.index_copy_(0, on_device(plan.recv_rows, output.device), recv)
         return output
 
     pending = PendingCollective(works, finish)
@@ -256,7 +257,7 @@ def group_reduce(
     bufs, works = _exchange(tensors, plan, group, world)
 
     def finish():
-        rows = plan.recv_rows.to(output.device)
+        rows = on_device(plan.recv_rows, output.device)
         if op == "sum":
             output.index_add_(0, rows, bufs[0].to(output.dtype))
         else:

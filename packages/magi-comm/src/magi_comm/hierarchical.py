@@ -30,6 +30,7 @@ from typing import Hashable, Sequence
 import torch
 import torch.distributed as dist
 
+from .device_index import on_device
 from .group_collective import (
     COMM_STATS,
     REDUCE_OPS,
@@ -304,7 +305,7 @@ class HierarchicalCollectives:
             (hop2,), works2 = self._hop([torch.cat([input, hop1])], plan.intra, inter=False)
             for w in works2:
                 w.wait()
-            output.index_copy_(0, plan.intra.recv_rows.to(output.device), hop2)
+            output.index_copy_(0, on_device(plan.intra.recv_rows, output.device), hop2)
             return output
 
         pending = PendingCollective([], finish)
@@ -341,7 +342,7 @@ class HierarchicalCollectives:
         def finish():
             for w in works:
                 w.wait()
-            rows = plan.intra.send_rows.to(output.device)  # positions in cat(output, proxy buffer)
+            rows = on_device(plan.intra.send_rows, output.device)  # positions in cat(output, proxy buffer)
             own = rows < n_out
             reduce_into(output, output_lse, rows[own], [b[own] for b in bufs])
             tmp = output.new_zeros((n1, *output.shape[1:]))
@@ -350,7 +351,7 @@ class HierarchicalCollectives:
             back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], _transposed(plan.inter), inter=True)
             for w in works2:
                 w.wait()
-            reduce_into(output, output_lse, plan.inter.send_rows.to(output.device), back)
+            reduce_into(output, output_lse, on_device(plan.inter.send_rows, output.device), back)
             return output
 
         pending = PendingCollective([], finish)

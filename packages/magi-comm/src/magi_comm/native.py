@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from .device_index import on_device
+
 logger = logging.getLogger(__name__)
 
 try:
@@ -57,8 +59,8 @@ def range_gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` along dim 0 with the fused CUDA kernel (CUDA tensors, native build with CUDA),
     else ``index_select``."""
     if not (WITH_CUDA and x.is_cuda and x.is_contiguous()):
-        return x.index_select(0, index.to(x.device))
-    idx = index.to(device=x.device, dtype=torch.int64).contiguous()
+        return x.index_select(0, on_device(index, x.device))
+    idx = on_device(index, x.device).to(torch.int64).contiguous()
     out = x.new_empty((idx.numel(), *x.shape[1:]))
     copy_rows(x, out, idx, None)
     return out
