@@ -72,7 +72,7 @@ for l in open('$OUT/sweep.jsonl'): r=json.loads(l); print(r['mask'][:9], r['var'
 fi
 SUM='import sys,json
 for l in sys.stdin:
-    r=json.loads(l); f=lambda p:" ".join(f"{k.split(chr(95))[0]}:{r.get(k,0):.0f}" for k in (f"magi_{p}_tflops",f"flex_{p}_tflops",f"cudnn_{p}_tflops")); print(r["seqlen"],r["mask"],"fwd",f("fwd"),"triton:%.0f"%r.get("magi_triton_fwd_tflops",0),"| bwd",f("bwd"),"triton:%.0f"%r.get("magi_triton_bwd_tflops",0),"| err",round(r.get("flex_vs_magi_maxerr",-1),3),round(r.get("flex_vs_magi_grad_maxerr",-1),3))'
+    r=json.loads(l); f=lambda p:" ".join(f"{k.split(chr(95))[0]}:{r.get(k,0):.0f}" for k in (f"magi_{p}_tflops",f"flex_{p}_tflops",f"cudnn_{p}_tflops")); print(r["seqlen"],r["mask"],"fwd",f("fwd"),"triton:%.0f"%r.get("magi_triton_fwd_tflops",0),"| bwd",f("bwd"),"triton:%.0f"%r.get("magi_triton_bwd_tflops",0),"| err",round(r.get("flex_vs_magi_maxerr",-1),3),round(r.get("flex_vs_magi_grad_maxerr",-1),3),"| meta build idle/busy ms %.2f/%.2f"%(r.get("magi_meta_build_ms",-1),r.get("magi_meta_build_busy_ms",-1)))'
 if has bench; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_kernels.py --seqlens ${SEQLENS:-8192 16384 32768} ${BENCH_MASKS:+--masks $BENCH_MASKS} ${BENCH_ARGS:-} \
     --out $OUT/bench_kernels_$GPU_TAG.json --plot $OUT/bench_kernels_$GPU_TAG.png 2>$OUT/bench.err | grep '^{' | python3 -c "$SUM"
