@@ -7,8 +7,9 @@
 # Still pending after v19 (docs/notes/kernel_measurements.md), each on the card it lands on:
 #   backward: the per-launch pieces (default) against whole programs everywhere
 #             (MAGI_GLUON_BWD_PIECES=0): measured on an H100 only;
-#   forward:  persistent (one program per SM over a queue of items; x1.00-1.08 on the H100, the
-#             default since v19), and v15's owed tile-order A/B on sliding window and block-causal.
+#   forward:  persistent (one program per SM over a queue of items, the default since v19) and
+#             v15's tile order: measured on an H100 in v22 (persistent x1.00-1.03 per mask, tile
+#             order x0.96-1.02: kept off), both still unmeasured on an H200.
 # PART=bwd or PART=fwd runs one half (PART=bwd runs the tests of every pending variant, forward
 # ones too, so follow it with PART=fwd TESTS=0). TESTS=0 skips the tests.
 set -uo pipefail
