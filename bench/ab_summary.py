@@ -31,31 +31,42 @@ def load_rows(paths: list[str]) -> list[dict]:
 
 def summarise(rows: list[dict], base: str | None = None) -> list[dict]:
     """One record per (seqlen, mask, pass, setting): mean and spread of its TFLOP/s and the ratio
-    of the mean to the baseline setting's mean."""
+    of the mean to the baseline setting's mean; ``sm_mhz`` the mean SM clock of its repeats where
+    ``bench/gpu_clocks.py`` annotated them (else None)."""
     groups: dict[tuple, dict[str, list[float]]] = defaultdict(dict)
+    clocks: dict[tuple, list[int]] = defaultdict(list)
     for r in rows:
         groups[(r["seqlen"], r["mask"], r["pass"])].setdefault(r["cfg"], []).append(r["tflops"])
+        if "sm_mhz" in r:
+            clocks[(r["seqlen"], r["mask"], r["pass"], r["cfg"])].append(r["sm_mhz"])
     out = []
     for (seqlen, mask, which), by_cfg in sorted(groups.items()):
         ref_cfg = base if base in by_cfg else next(iter(by_cfg))
         ref = statistics.fmean(by_cfg[ref_cfg])
+        ref_mhz = clocks.get((seqlen, mask, which, ref_cfg))
         for cfg, values in by_cfg.items():
             mean = statistics.fmean(values)
-            out.append({"seqlen": seqlen, "mask": mask, "pass": which, "cfg": cfg, "n": len(values),
-                        "tflops": round(mean, 1), "spread": round(max(values) - min(values), 1),
-                        "ratio": round(mean / ref, 4), "base": ref_cfg})
+            mhz = clocks.get((seqlen, mask, which, cfg))
+            rec = {"seqlen": seqlen, "mask": mask, "pass": which, "cfg": cfg, "n": len(values),
+                   "tflops": round(mean, 1), "spread": round(max(values) - min(values), 1),
+                   "ratio": round(mean / ref, 4), "base": ref_cfg,
+                   "sm_mhz": round(statistics.fmean(mhz)) if mhz else None}
+            if mhz and ref_mhz:  # the ratio per clock cycle: what is left once the clocks differ
+                rec["ratio_per_mhz"] = round(mean / statistics.fmean(mhz) / (ref / statistics.fmean(ref_mhz)), 4)
+            out.append(rec)
     return out
 
 
 def verdicts(summary: list[dict], targets: tuple[str, ...], gain: float = 0.01,
-             loss: float = 0.005) -> list[dict]:
+             loss: float = 0.005, key: str = "ratio") -> list[dict]:
     """Per (pass, setting other than its baseline): the mean ratio of each mask over its lengths,
     and ``adopt`` (targets' mean >= 1 + gain, every mask >= 1 - loss), ``per-launch`` (targets
-    win, some other mask loses), ``keep off`` (the targets do not win) or ``no target rows``."""
+    win, some other mask loses), ``keep off`` (the targets do not win) or ``no target rows``.
+    ``key="ratio_per_mhz"`` judges the clock-normalised ratios (records without one are skipped)."""
     ratios: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(dict)
     for rec in summary:
-        if rec["cfg"] != rec["base"]:
-            ratios[(rec["pass"], rec["cfg"])].setdefault(rec["mask"], []).append(rec["ratio"])
+        if rec["cfg"] != rec["base"] and key in rec:
+            ratios[(rec["pass"], rec["cfg"])].setdefault(rec["mask"], []).append(rec[key])
     out = []
     for (which, cfg), by_mask in sorted(ratios.items()):
         per_mask = {m: statistics.fmean(v) for m, v in by_mask.items()}
@@ -96,12 +107,18 @@ def main() -> int:
         return 1
     for rec in summary:
         print(f"{rec['seqlen']:>6} {rec['mask'][:14]:<14} {rec['pass']} {short(rec['cfg'])[:44]:<44} "
-              f"{rec['tflops']:7.1f} +-{rec['spread']:<5} x{rec['ratio']:.3f}")
+              f"{rec['tflops']:7.1f} +-{rec['spread']:<5} x{rec['ratio']:.3f}"
+              + (f" @{rec['sm_mhz']} MHz" if rec["sm_mhz"] else ""))
     targets = tuple(m for m in args.target.split(",") if m)
-    print(f"\nverdicts (targets {','.join(targets)}: win >= {args.gain:.1%}, any mask loses <= {args.loss:.1%})")
-    for v in verdicts(summary, targets, args.gain, args.loss):
-        masks = " ".join(f"{m}:x{r:.3f}" for m, r in v["per_mask"].items())
-        print(f"{v['pass']} {short(v['cfg'])[:44]:<44} {v['verdict']:<14} {masks}")
+    for key, what in (("ratio", ""), ("ratio_per_mhz", ", per MHz of SM clock (bench/gpu_clocks.py)")):
+        found = verdicts(summary, targets, args.gain, args.loss, key)
+        if not found:
+            continue
+        print(f"\nverdicts{what} (targets {','.join(targets)}: win >= {args.gain:.1%}, "
+              f"any mask loses <= {args.loss:.1%})")
+        for v in found:
+            masks = " ".join(f"{m}:x{r:.3f}" for m, r in v["per_mask"].items())
+            print(f"{v['pass']} {short(v['cfg'])[:44]:<44} {v['verdict']:<14} {masks}")
     return 0
 
 

@@ -61,18 +61,27 @@ def with_env(fn, name: str, value: str):
     return run_with
 
 
-def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench) -> dict:
+def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windows: dict | None = None) -> dict:
     """Median ms of each callable over ``rounds`` rounds; each round times every callable once
     (``reps_ms`` of back-to-back calls), starting one later each round. Under the H200's 700 W
     cap the SM clock falls from 1980 to 1620-1800 MHz with sustained load and recovers in idle
     gaps (v10 notes), so timing each implementation in one block would favour whichever follows
-    a gap (Flex after its compile); interleaving gives every one the same mix of clocks."""
+    a gap (Flex after its compile); interleaving gives every one the same mix of clocks.
+    ``windows``, if given, collects each callable's wall-clock spans ``[t0, t1]`` (one per round)
+    for ``bench/gpu_clocks.py`` to read the SM clock each ran under."""
     names = list(fns)
     times = {n: [] for n in names}
+    try:  # heat, untimed: after the row's setup (compiles) the first timing would get the idle clock
+        timer(fns[names[0]], reps_ms)
+    except Exception:  # noqa: BLE001 - its timed rounds report the error
+        pass
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
             try:
+                t0 = time.time()
                 times[n].append(timer(fns[n], reps_ms))
+                if windows is not None:
+                    windows.setdefault(n, []).append([round(t0, 3), round(time.time(), 3)])
             except Exception as e:  # noqa: BLE001 - one failing peer must not lose the others' times
                 print(f"{n}: {e!r}"[:300], file=sys.stderr)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items() if t}
@@ -168,12 +177,14 @@ def run(args, on_row=lambda rows: None):
                     except Exception as e:  # noqa: BLE001
                         res["cudnn_error"] = repr(e)[:200]
                         fns.pop("cudnn_fwd", None), fns.pop("cudnn_bwd", None)
-            for name, ms in interleaved_times(fns, args.rounds, args.rep_ms).items():
+            res["timing_windows"] = {}  # wall-clock spans per implementation: bench/gpu_clocks.py
+            for name, ms in interleaved_times(fns, args.rounds, args.rep_ms, windows=res["timing_windows"]).items():
                 res[f"{name}_ms"] = ms
                 res[f"{name}_tflops"] = (2.5 if name.endswith("bwd") else 1.0) * fl_f / ms / 1e9
             rows.append(res)
             on_row(rows)
-            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()
+                              if k != "timing_windows"}), flush=True)
             del q, k, v, g, qf, kf, vf, fns
             torch.cuda.empty_cache()
     return rows

@@ -16,7 +16,8 @@
 #   trace  per-program trace of one Gluon backward launch (bench/bwd_trace.py; TRACE_SEQLENS, TRACE_MASKS,
 #          TRACE_VARIANTS: "default" or VAR=value each): summaries in trace.jsonl, the raw records in
 #          trace_records.tgz, Gantt charts of the first variant
-# Results and logs under $OUT (gpu_clocks.csv: SM clock/power/temperature through the call).
+# Results and logs under $OUT (gpu_clocks.csv: SM clock/power/temperature through the call, joined
+# with the bench's and the sweep's timing windows by bench/gpu_clocks.py at the end).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 STAGES=${STAGES:-tests sweep bench ipc}
@@ -36,8 +37,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # numbers are not interchangeable (H100: slower memory); the JSON's meta names the device as well
 GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z')
 GPU_TAG=${GPU_TAG:-gpu}
-# SM clock, power and temperature every 200 ms for the whole call: says whether a timing ran throttled
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 \
+# SM clock, power and temperature every 100 ms for the whole call: says whether a timing ran throttled
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 \
   >> $OUT/gpu_clocks.csv 2>/dev/null &
 CLOCKS_PID=$!
 if has tests; then
@@ -122,8 +123,10 @@ if has ncu_fwd; then
 fi
 has ipc && timeout 60 python3 bench/bench_ipc.py --world 2 --out $OUT/bench_ipc.json 2>&1 | tail -1
 kill $CLOCKS_PID 2>/dev/null
-python3 -c "import sys
-rows=[l.split(', ') for l in open('$OUT/gpu_clocks.csv') if l.count(',')==3]
-c=[int(r[1].split()[0]) for r in rows]; w=[float(r[2].split()[0]) for r in rows if r[2][0].isdigit()]
-print('sm clock MHz min/median/max', min(c), sorted(c)[len(c)//2], max(c), '| power W max', max(w, default=0))" 2>/dev/null
+# the clock of the whole call, and per timing: bench/gpu_clocks.py adds the SM clock each
+# implementation (bench) or setting (sweep) ran under to their result files
+CLOCK_ARGS=""
+[ -f $OUT/bench_kernels_$GPU_TAG.json ] && CLOCK_ARGS="--bench $OUT/bench_kernels_$GPU_TAG.json"
+[ -f $OUT/sweep.jsonl ] && CLOCK_ARGS="$CLOCK_ARGS --sweep $OUT/sweep.jsonl"
+python3 bench/gpu_clocks.py $OUT/gpu_clocks.csv $CLOCK_ARGS
 true

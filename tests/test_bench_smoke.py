@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,10 +50,74 @@ def test_kernel_bench_interleaves_rounds_and_takes_medians():
         raise RuntimeError("peer failed")
 
     fns = {"a": lambda: "a", "b": lambda: "b", "c": lambda: "c", "x": broken}
-    out = bench_kernels.interleaved_times(fns, rounds=3, reps_ms=1.0, timer=timer)
-    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rounds start at a, b, c
-    # timings (base x 1, 2 or 3 by call number): a 1, 3, 2; b 4, 2, 6; c 9, 6, 3: the medians
+    windows = {}
+    out = bench_kernels.interleaved_times(fns, rounds=3, reps_ms=1.0, timer=timer, windows=windows)
+    # an untimed heat-up call of the first, then rounds starting at a, b, c
+    assert calls == ["a", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # timings (base x 1, 2 or 3 by call number; the heat-up's is dropped):
+    # a 2, 1, 3; b 6, 4, 2; c 3, 9, 6: the medians
     assert out == {"a": 2.0, "b": 4.0, "c": 6.0}
+    # one wall-clock window per timed round, none for the failing one
+    assert set(windows) == {"a", "b", "c"} and all(len(w) == 3 for w in windows.values())
+    assert all(t0 <= t1 for w in windows.values() for t0, t1 in w)
+
+
+def clock_log(start: float, clocks: list[int], watts: list[float], period: float = 0.1) -> str:
+    """An nvidia-smi log as device_run.sh writes it: one sample per ``period`` from ``start``."""
+    lines = []
+    for i, (mhz, w) in enumerate(zip(clocks, watts)):
+        t = start + i * period
+        stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(t)) + f".{round((t % 1) * 1000):03d}"
+        lines.append(f"{stamp}, {mhz} MHz, {w:.2f} W, 40")
+    return "\n".join(lines) + "\n2026/12/05 17:0"  # cut mid-line, as a killed logger leaves it
+
+
+def test_gpu_clocks_reads_the_clock_inside_each_timing_window(tmp_path):
+    """``bench/gpu_clocks.py``: samples inside a window (widened by half a period) give its
+    median clock and largest power; per implementation over all its rounds' windows; the call's
+    loaded median skips idle samples; a row without windows is left alone."""
+    gc = bench_module("gpu_clocks")
+    start = 1_800_000_000.0  # whole second: sample i at start + i / 10
+    clocks = [345] * 5 + [1980, 1900, 1800, 1700, 1600] + [345] * 5 + [1500, 1500, 1400, 1400, 1400]
+    watts = [70.0] * 5 + [500, 650, 700, 700, 700] + [80.0] * 5 + [700] * 5
+    log = tmp_path / "gpu_clocks.csv"
+    log.write_text(clock_log(start, clocks, watts))
+    samples = gc.load_samples(str(log))
+    assert len(samples) == 20 and samples[5].sm_mhz == 1980 and abs(samples[5].t - (start + 0.5)) < 1e-6
+
+    # samples 5..9 inside [0.5, 0.9]: clocks 1980..1600, median 1800
+    assert gc.window_stats(samples, [(start + 0.5, start + 0.9)]) == {"sm_mhz": 1800, "power_w": 700.0, "samples": 5}
+    # a window between two samples still catches the nearer one (pad of half a period)
+    assert gc.window_stats(samples, [(start + 0.51, start + 0.53)])["sm_mhz"] == 1980
+    assert gc.window_stats(samples, [(start - 10, start - 9)]) is None
+
+    summary = gc.call_summary(samples)
+    assert summary["sm_mhz_min"] == 345 and summary["sm_mhz_max"] == 1980
+    # loaded: power >= 60 % of 700 W: samples 5..9 and 15..19, median of their 10 clocks
+    assert summary["loaded_samples"] == 10 and summary["sm_mhz_loaded_median"] == 1550
+
+    data = {"rows": [{"seqlen": 8, "mask": "causal", "timing_windows": {
+        "magi_fwd": [[start + 0.5, start + 0.6]], "flex_fwd": [[start + 1.5, start + 1.6], [start + 1.8, start + 1.9]]}},
+        {"seqlen": 8, "mask": "full"}]}
+    lines = gc.annotate_bench(data, samples)
+    assert data["rows"][0]["sm_mhz"] == {"magi_fwd": 1940, "flex_fwd": 1450}
+    assert data["rows"][0]["power_w"]["flex_fwd"] == 700.0
+    assert "sm_mhz" not in data["rows"][1] and len(lines) == 1
+
+    sweep = [{"cfg": "A", "t0": start + 1.5, "t1": start + 1.9}, {"cfg": "B", "error": "boom"}]
+    assert gc.annotate_sweep(sweep, samples) == 1 and sweep[0]["sm_mhz"] == 1400 and "sm_mhz" not in sweep[1]
+
+    # the CLI rewrites both files in place
+    bench_json, sweep_jsonl = tmp_path / "b.json", tmp_path / "s.jsonl"
+    data["rows"][0].pop("sm_mhz")
+    bench_json.write_text(json.dumps(data))
+    sweep_jsonl.write_text("".join(json.dumps(r) + "\n" for r in sweep))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "bench", "gpu_clocks.py"), str(log), "--bench",
+                          str(bench_json), "--sweep", str(sweep_jsonl)], capture_output=True, text=True, check=True)
+    assert "under load" in res.stdout
+    assert json.loads(bench_json.read_text())["rows"][0]["sm_mhz"]["magi_fwd"] == 1940
+    assert json.loads(sweep_jsonl.read_text().splitlines()[0])["sm_mhz"] == 1400
 
 
 def test_backward_trace_summary_splits_sm_time_and_fits_steps():
@@ -92,6 +157,20 @@ def test_sweep_sets_parse_combinations_and_pick_the_pass():
         sweep_tiles.parse_sets("MAGI_GLUON_BWD_PIECES")
 
 
+def test_sweep_ab_rounds_alternate_direction():
+    """Repeated settings are timed in rounds, every other one reversed, so a clock that sinks
+    through a mask's timings favours none; the default once per round too; a sweep without
+    repeats keeps its order."""
+    sweep_tiles = bench_module("sweep_tiles")
+    runs = [("set", c, {}) for c in "ABCABCAB"]
+    assert "".join(r[1] for r in sweep_tiles.balanced_order(runs)) == "ABCCBAAB"
+    single = [("X", "1", {}), ("X", "2", {}), ("Y", "1", {})]
+    assert sweep_tiles.balanced_order(single) == single
+    # the same value of two variables is two settings
+    assert sweep_tiles.balanced_order([("X", "1", {}), ("Y", "1", {}), ("X", "1", {}), ("Y", "1", {})]) == \
+        [("X", "1", {}), ("Y", "1", {}), ("Y", "1", {}), ("X", "1", {})]
+
+
 def test_fwd_item_fit_counts_blocks_and_recovers_costs():
     """``bench/fwd_item_fit.py``: the forward's key and partial blocks per tile of a mask (full
     1024: 8 tiles of 8 full blocks; causal: 1..8 blocks, the diagonal one partial), and the fit
@@ -127,6 +206,17 @@ def test_ab_summary_means_repeats_and_divides_by_the_baseline(tmp_path):
     assert out["fwd", "P=1"]["ratio"] == 1.1 and out["fwd", "P=1"]["base"] == "P=0"
     by_base = {r["cfg"]: r for r in ab.summarise(ab.load_rows([str(path)]), base="X=1") if r["pass"] == "bwd"}
     assert by_base["default"]["ratio"] == round(510 / 540, 4)
+    assert out["bwd", "X=1"]["sm_mhz"] is None  # no clock annotation in these rows
+
+
+def test_ab_summary_averages_the_clock_of_annotated_repeats():
+    """Rows annotated by ``bench/gpu_clocks.py`` carry ``sm_mhz``: the summary gives each
+    setting the mean clock of its repeats, so a win bought by a higher clock shows."""
+    ab = bench_module("ab_summary")
+    rows = [{"seqlen": 8, "mask": "full", "pass": "fwd", "cfg": c, "tflops": 500.0, "sm_mhz": m}
+            for c, m in (("A", 1600), ("B", 1800), ("A", 1700), ("B", 1800))]
+    out = {r["cfg"]: r for r in ab.summarise(rows)}
+    assert out["A"]["sm_mhz"] == 1650 and out["B"]["sm_mhz"] == 1800
 
 
 def test_ab_summary_verdicts_follow_the_adoption_rule():
