@@ -39,20 +39,20 @@ def summarise(rows: list[dict], base: str | None = None) -> list[dict]:
         groups[(r["seqlen"], r["mask"], r["pass"])].setdefault(r["cfg"], []).append(r["tflops"])
         if "sm_mhz" in r:
             clocks[(r["seqlen"], r["mask"], r["pass"], r["cfg"])].append(r["sm_mhz"])
+    mean_mhz = {key: statistics.fmean(values) for key, values in clocks.items()}
     out = []
     for (seqlen, mask, which), by_cfg in sorted(groups.items()):
         ref_cfg = base if base in by_cfg else next(iter(by_cfg))
         ref = statistics.fmean(by_cfg[ref_cfg])
-        ref_mhz = clocks.get((seqlen, mask, which, ref_cfg))
+        ref_mhz = mean_mhz.get((seqlen, mask, which, ref_cfg))
         for cfg, values in by_cfg.items():
             mean = statistics.fmean(values)
-            mhz = clocks.get((seqlen, mask, which, cfg))
+            mhz = mean_mhz.get((seqlen, mask, which, cfg))
             rec = {"seqlen": seqlen, "mask": mask, "pass": which, "cfg": cfg, "n": len(values),
                    "tflops": round(mean, 1), "spread": round(max(values) - min(values), 1),
-                   "ratio": round(mean / ref, 4), "base": ref_cfg,
-                   "sm_mhz": round(statistics.fmean(mhz)) if mhz else None}
+                   "ratio": round(mean / ref, 4), "base": ref_cfg, "sm_mhz": round(mhz) if mhz else None}
             if mhz and ref_mhz:  # the ratio per clock cycle: what is left once the clocks differ
-                rec["ratio_per_mhz"] = round(mean / statistics.fmean(mhz) / (ref / statistics.fmean(ref_mhz)), 4)
+                rec["ratio_per_mhz"] = round(mean / mhz / (ref / ref_mhz), 4)
             out.append(rec)
     return out
 

@@ -58,13 +58,18 @@ def load_samples(path: str) -> list[Sample]:
         return sorted(s for s in map(parse_line, f) if s is not None)
 
 
+def sample_time(s: Sample) -> float:
+    """The sort key of the log: a sample's time."""
+    return s.t
+
+
 def window_stats(samples: list[Sample], windows: list[tuple[float, float]]) -> dict | None:
     """Median SM clock and largest power of the samples inside any of ``windows`` (each widened
     by ``SAMPLE_PAD_S``), or None when none falls inside."""
-    times = [s.t for s in samples]
     inside = []
     for t0, t1 in windows:
-        inside += samples[bisect_left(times, t0 - SAMPLE_PAD_S):bisect_right(times, t1 + SAMPLE_PAD_S)]
+        lo = bisect_left(samples, t0 - SAMPLE_PAD_S, key=sample_time)
+        inside += samples[lo:bisect_right(samples, t1 + SAMPLE_PAD_S, lo=lo, key=sample_time)]
     if not inside:
         return None
     return {"sm_mhz": int(statistics.median(s.sm_mhz for s in inside)),
@@ -110,6 +115,22 @@ def annotate_sweep(rows: list[dict], samples: list[Sample]) -> int:
     return done
 
 
+def read_or_warn(path: str) -> str | None:
+    """The file's text, or None with a line on stderr when it is missing (a call that skipped
+    the stage writing it)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        print(f"no file {path}", file=sys.stderr)
+        return None
+
+
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", help="the nvidia-smi log (timestamp, clocks.sm, power.draw, ...)")
@@ -128,26 +149,15 @@ def main() -> int:
     print(f"sm clock MHz min/median/max {s['sm_mhz_min']}/{s['sm_mhz_median']}/{s['sm_mhz_max']}, "
           f"under load (>= {LOADED_POWER_SHARE:.0%} of max power, {s['loaded_samples']} samples) "
           f"median {s['sm_mhz_loaded_median']} | power W max {s['power_w_max']}")
-    for path, kind in ((args.bench, "bench"), (args.sweep, "sweep")):
-        if not path:
-            continue
-        try:
-            with open(path) as f:
-                text = f.read()
-        except FileNotFoundError:
-            print(f"{kind}: no file {path}", file=sys.stderr)
-            continue
-        if kind == "bench":
-            data = json.loads(text)
-            print("SM MHz per implementation (median inside its timing windows)")
-            print("\n".join(annotate_bench(data, samples)))
-            out = json.dumps(data, indent=1)
-        else:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-            print(f"sweep rows with a clock: {annotate_sweep(rows, samples)} of {len(rows)}")
-            out = "".join(json.dumps(r) + "\n" for r in rows)
-        with open(path, "w") as f:
-            f.write(out)
+    if args.bench and (text := read_or_warn(args.bench)) is not None:
+        data = json.loads(text)
+        print("SM MHz per implementation (median inside its timing windows)")
+        print("\n".join(annotate_bench(data, samples)))
+        write(args.bench, json.dumps(data, indent=1))
+    if args.sweep and (text := read_or_warn(args.sweep)) is not None:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        print(f"sweep rows with a clock: {annotate_sweep(rows, samples)} of {len(rows)}")
+        write(args.sweep, "".join(json.dumps(r) + "\n" for r in rows))
     return 0
 
 

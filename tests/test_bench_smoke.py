@@ -217,6 +217,10 @@ def test_ab_summary_averages_the_clock_of_annotated_repeats():
             for c, m in (("A", 1600), ("B", 1800), ("A", 1700), ("B", 1800))]
     out = {r["cfg"]: r for r in ab.summarise(rows)}
     assert out["A"]["sm_mhz"] == 1650 and out["B"]["sm_mhz"] == 1800
+    # equal TFLOP/s at a higher clock: less per cycle than the baseline A
+    assert out["A"]["ratio_per_mhz"] == 1.0 and out["B"]["ratio_per_mhz"] == round(1650 / 1800, 4)
+    per_mhz = ab.verdicts(out.values(), ("full",), key="ratio_per_mhz")
+    assert per_mhz[0]["cfg"] == "B" and per_mhz[0]["verdict"] == "keep off"
 
 
 def test_ab_summary_verdicts_follow_the_adoption_rule():
