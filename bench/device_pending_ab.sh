@@ -5,24 +5,17 @@
 # (PART splits it in two: the backward half ~4-5 minutes, the forward half ~3).
 # Summarise the result here with
 #   python bench/ab_summary.py <files_at>/sweep.jsonl
-# Still pending after v19 (docs/notes/kernel_measurements.md), each on the card it lands on:
-#   backward: the per-launch pieces (default) against whole programs everywhere
-#             (MAGI_GLUON_BWD_PIECES=0): measured on an H100 only;
-#   forward:  persistent (one program per SM over a queue of items, the default since v19) and
-#             v15's tile order: measured on an H100 in v22 (persistent x1.00-1.03 per mask, tile
-#             order x0.96-1.02: kept off), both still unmeasured on an H200.
-# Re-timed since v23: every earlier A/B timed its baseline first in each mask's block, right after
-# the setup's idle gap, at an SM clock ~4 % above the rest (v23 notes: bench/gpu_clocks.py over
-# the archived logs), which understated every variant. sweep_tiles.py now heats the card before
-# a block and reverses every other round; the variants whose verdict could flip are timed again:
-# the dS exchange without ds_empty / with a named barrier (v19: x0.99-1.02 raw, x1.01-1.04 per
-# MHz), the reversed head walk (v19: x1.01-1.03, x1.02-1.10 per MHz) and the forward's tile
-# order (v22: x0.96-1.02, x1.01-1.06 per MHz).
+# Measured on an H100 in v24 (balanced order, docs/notes/kernel_measurements.md): the dS
+# exchange without ds_empty (`implied`, the default since: x1.00-1.03 per mask), the named
+# barrier (x0.99-1.03, off), the reversed head walk (x0.98-1.02, off), whole programs instead of
+# per-launch pieces (causal x0.81, off), the persistent forward (x1.01-1.05, on) and the
+# forward's tile order (x0.96-1.02, off). Still pending: all of these on an H200; each set below
+# is timed against the current defaults.
 # PART=bwd or PART=fwd runs one half (PART=bwd runs the tests of every pending variant, forward
 # ones too, so follow it with PART=fwd TESTS=0). TESTS=0 skips the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BWD_SETS="MAGI_GLUON_BWD_PIECES=0;MAGI_GLUON_BWD_DS_SYNC=implied;MAGI_GLUON_BWD_DS_SYNC=named;\
+BWD_SETS="MAGI_GLUON_BWD_PIECES=0;MAGI_GLUON_BWD_DS_SYNC=mbarrier;MAGI_GLUON_BWD_DS_SYNC=named;\
 MAGI_GLUON_BWD_WALK=head_rev"
 FWD_SETS="MAGI_GLUON_FWD_PERSIST=0;MAGI_GLUON_FWD_PERSIST=1;MAGI_GLUON_FWD_ORDER=tile;\
 MAGI_GLUON_FWD_PERSIST=1,MAGI_GLUON_FWD_ORDER=tile"

@@ -81,10 +81,11 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
 
 
 def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ_FIRST=0, KQ=None, BLOCK_WALK=0,
-                     REVERSE=0, PIECE_TMA=0, DS_SYNC=0, TRACE=0) -> ASTSource:
+                     REVERSE=0, PIECE_TMA=0, DS_SYNC=None, TRACE=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
-    specialisation; ``KQ`` and ``STAGES`` left out are the library's defaults (key-major scores,
-    its ring depth), so a bare ``gluon_bwd`` argument reports the kernel that runs."""
+    specialisation; ``KQ``, ``STAGES`` and ``DS_SYNC`` left out are the library's defaults
+    (key-major scores, its ring depth, its dS exchange), so a bare ``gluon_bwd`` argument
+    reports the kernel that runs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from magi_kernels import gluon_bwd as gb
@@ -93,6 +94,8 @@ def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ
         KQ = int(gb._scores() == "kq")
     if STAGES is None:
         STAGES = gb.default_config(D, bool(KQ))[2]
+    if DS_SYNC is None:
+        DS_SYNC = gb._ds_sync()
 
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
            "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),

@@ -79,15 +79,15 @@ def test_gluon_forward_compiles_without_spills(persist, max_stack):
 
 
 @pytest.mark.parametrize("rotate,kq,extra", [(True, 1, {}), (False, 1, {}), (True, 0, {}), (True, 1, {"PIECE_TMA": 1}),
-                                              (True, 1, {"DS_SYNC": 1}), (True, 1, {"DS_SYNC": 2})])
+                                              (True, 1, {"DS_SYNC": 0}), (True, 1, {"DS_SYNC": 2})])
 def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq, extra):
     """The Gluon backward compiles for sm_90a with either query-block order and either score
     orientation, both consumers' block loops issuing their 32 wgmma each; spills in those loops
     stay at the measured level (scalar bookkeeping, v9/v10/v12 notes). A change that makes
     ptxas serialise the wgmma (a wait after every one of them) would show as a wait after each
     of the 32; v12's first key-major version had one extra wait, before dP^T (3 allowed + the
-    dQ-first variant's). The dK/dV reduce-adds of pieces (``PIECE_TMA``) and the opt-in dS
-    exchanges (``DS_SYNC``) compile too."""
+    dQ-first variant's). The dK/dV reduce-adds of pieces (``PIECE_TMA``) and the dS exchanges
+    other than the default (``DS_SYNC``: mbarrier, named) compile too."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
@@ -134,13 +134,15 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"
     assert gb._walk() == (False, False) and gb._split() and gb._rotate()
     assert gb._pieces() == "auto" and gb._piece_add() == "auto"
-    assert gb._ds_sync() == 0
+    assert gb.DS_SYNCS[gb._ds_sync()] == "implied"
     assert gf._kv_major() and gf._join() and gf._persist()
     assert gb._config(128)[2] == gb.CONFIGS[128][2]
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
     monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
     monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
     monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
+    monkeypatch.setenv("MAGI_GLUON_BWD_DS_SYNC", "mbarrier")
+    assert gb._ds_sync() == 0
     assert gb._order_mode() == 3 and gb._walk() == (True, True)
     assert not gf._kv_major() and not gf._join()
     monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
