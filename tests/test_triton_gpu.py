@@ -320,12 +320,12 @@ def test_gluon_backward_auto_pieces_of_several_heads_match_dense(case, monkeypat
 
 
 @pytest.mark.parametrize("scores,dq_first", [("kq", "0"), ("kq", "1"), ("qk", "1")])
-@pytest.mark.parametrize("sync", ["mbarrier", "named"])
+@pytest.mark.parametrize("sync", ["mbarrier", "implied", "named"])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_backward_ds_syncs_match_dense(case, sync, scores, dq_first, monkeypatch):
-    """``MAGI_GLUON_BWD_DS_SYNC``: the dS exchanges between the consumer warpgroups other than
-    the default ``implied`` (every other Gluon test runs that one): with the buffer-release
-    mbarrier (``mbarrier``) or through a named barrier (``named``); a dS buffer overwritten
+    """``MAGI_GLUON_BWD_DS_SYNC``: every dS exchange between the consumer warpgroups, in every
+    score orientation and dQ order: with the buffer-release mbarrier (``mbarrier``), without it
+    (``implied``, the default) or through a named barrier (``named``); a dS buffer overwritten
     while the other warpgroup's dQ product still reads it would show here."""
     monkeypatch.setenv("MAGI_GLUON_BWD_DS_SYNC", sync)
     monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", scores)
