@@ -145,9 +145,10 @@ def run(args, on_row=lambda rows: None):
                         bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
                     else:
                         lo, hi = row_intervals(slices, S, dev)
-                        # _compile: the eager path materialises S x S intermediates (OOM at 32k)
-                        bm = create_block_mask(lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None, S, S,
-                                               device=dev, _compile=True)
+                        # compiled (torch's replacement of the deprecated _compile=True): the eager path
+                        # materialises S x S intermediates (OOM at 32k)
+                        bm = torch.compile(create_block_mask)(
+                            lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None, S, S, device=dev)
 
                     def fx():
                         return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
