@@ -103,6 +103,9 @@ def run(args, on_row=lambda rows: None):
 
     torch._functorch.config.donated_buffer = False
     flex = torch.compile(flex_attention, dynamic=False)
+    # torch's replacement of the deprecated create_block_mask(_compile=True): the eager path
+    # materialises S x S intermediates (OOM at 32k on the varlen masks)
+    compiled_block_mask = torch.compile(create_block_mask)
     dev = torch.device("cuda")
     hq, hk, d = args.heads_q, args.heads_kv, args.head_dim
     rows = []
@@ -145,10 +148,8 @@ def run(args, on_row=lambda rows: None):
                         bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
                     else:
                         lo, hi = row_intervals(slices, S, dev)
-                        # compiled (torch's replacement of the deprecated _compile=True): the eager path
-                        # materialises S x S intermediates (OOM at 32k)
-                        bm = torch.compile(create_block_mask)(
-                            lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None, S, S, device=dev)
+                        bm = compiled_block_mask(lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None,
+                                                 S, S, device=dev)
 
                     def fx():
                         return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
