@@ -61,7 +61,8 @@ def with_env(fn, name: str, value: str):
     return run_with
 
 
-def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windows: dict | None = None) -> dict:
+def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windows: dict | None = None,
+                      samples: dict | None = None) -> dict:
     """Median ms of each callable over ``rounds`` rounds; each round times every callable once
     (``reps_ms`` of back-to-back calls), starting one later each round. Under the H200's 700 W
     cap the SM clock falls from 1980 to 1620-1800 MHz with sustained load and recovers in idle
@@ -75,6 +76,7 @@ def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windo
         timer(fns[names[0]], reps_ms)
     except Exception:  # noqa: BLE001 - its timed rounds report the error
         pass
+    # (``samples``, if given, gets every round's ms per callable: the spread behind a median)
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
             try:
@@ -84,6 +86,8 @@ def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windo
                     windows.setdefault(n, []).append([round(t0, 3), round(time.time(), 3)])
             except Exception as e:  # noqa: BLE001 - one failing peer must not lose the others' times
                 print(f"{n}: {e!r}"[:300], file=sys.stderr)
+    if samples is not None:
+        samples.update({n: [round(x, 4) for x in t] for n, t in times.items() if t})
     return {n: sorted(t)[len(t) // 2] for n, t in times.items() if t}
 
 
@@ -180,13 +184,15 @@ def run(args, on_row=lambda rows: None):
                         res["cudnn_error"] = repr(e)[:200]
                         fns.pop("cudnn_fwd", None), fns.pop("cudnn_bwd", None)
             res["timing_windows"] = {}  # wall-clock spans per implementation: bench/gpu_clocks.py
-            for name, ms in interleaved_times(fns, args.rounds, args.rep_ms, windows=res["timing_windows"]).items():
+            res["round_ms"] = {}  # every round's ms per implementation (the median's spread)
+            for name, ms in interleaved_times(fns, args.rounds, args.rep_ms, windows=res["timing_windows"],
+                                              samples=res["round_ms"]).items():
                 res[f"{name}_ms"] = ms
                 res[f"{name}_tflops"] = (2.5 if name.endswith("bwd") else 1.0) * fl_f / ms / 1e9
             rows.append(res)
             on_row(rows)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()
-                              if k != "timing_windows"}), flush=True)
+                              if k not in ("timing_windows", "round_ms")}), flush=True)
             del q, k, v, g, qf, kf, vf, fns
             torch.cuda.empty_cache()
     return rows

@@ -50,13 +50,16 @@ def test_kernel_bench_interleaves_rounds_and_takes_medians():
         raise RuntimeError("peer failed")
 
     fns = {"a": lambda: "a", "b": lambda: "b", "c": lambda: "c", "x": broken}
-    windows = {}
-    out = bench_kernels.interleaved_times(fns, rounds=3, reps_ms=1.0, timer=timer, windows=windows)
+    windows, samples = {}, {}
+    out = bench_kernels.interleaved_times(fns, rounds=3, reps_ms=1.0, timer=timer, windows=windows,
+                                          samples=samples)
     # an untimed heat-up call of the first, then rounds starting at a, b, c
     assert calls == ["a", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
     # timings (base x 1, 2 or 3 by call number; the heat-up's is dropped):
     # a 2, 1, 3; b 6, 4, 2; c 3, 9, 6: the medians
     assert out == {"a": 2.0, "b": 4.0, "c": 6.0}
+    # every round's timing in timed order, kept for the spread behind each median
+    assert samples == {"a": [2.0, 1.0, 3.0], "b": [6.0, 4.0, 2.0], "c": [3.0, 9.0, 6.0]}
     # one wall-clock window per timed round, none for the failing one
     assert set(windows) == {"a", "b", "c"} and all(len(w) == 3 for w in windows.values())
     assert all(t0 <= t1 for w in windows.values() for t0, t1 in w)
