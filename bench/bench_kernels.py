@@ -69,14 +69,14 @@ def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windo
     gaps (v10 notes), so timing each implementation in one block would favour whichever follows
     a gap (Flex after its compile); interleaving gives every one the same mix of clocks.
     ``windows``, if given, collects each callable's wall-clock spans ``[t0, t1]`` (one per round)
-    for ``bench/gpu_clocks.py`` to read the SM clock each ran under."""
+    for ``bench/gpu_clocks.py`` to read the SM clock each ran under; ``samples``, if given, gets
+    every round's ms per callable (the spread behind each median)."""
     names = list(fns)
     times = {n: [] for n in names}
     try:  # heat, untimed: after the row's setup (compiles) the first timing would get the idle clock
         timer(fns[names[0]], reps_ms)
     except Exception:  # noqa: BLE001 - its timed rounds report the error
         pass
-    # (``samples``, if given, gets every round's ms per callable: the spread behind a median)
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
             try:
