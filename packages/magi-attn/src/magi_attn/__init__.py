@@ -25,7 +25,10 @@ from .api import (
     magi_attn_varlen_key,
     undispatch,
 )
+from .agreement import PlanMismatchError
 from .config import DistAttnConfig
+from .launch import WorkerEnv, init_worker, launched_env, run_workers
+from magi_comm import PeerFailureError
 
 __version__ = "0.1.0"
 
@@ -37,4 +40,5 @@ __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "DispatchConfig", "DistAttnConfig", "DistAttnKey",
     "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
     "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_varlen_key", "undispatch",
+    "PeerFailureError", "PlanMismatchError", "WorkerEnv", "init_worker", "launched_env", "run_workers",
 ]

@@ -18,6 +18,7 @@ from magi_kernels.validation import check_qkv
 from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
 from magi_solver.ranges import AttnRange
 
+from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
 from .config import DistAttnConfig
 from .dist_attn import DistAttnFunction
 from .runtime import DistAttnRuntime
@@ -139,8 +140,43 @@ def magi_attn_flex_key(
         cp_size, cp_rank, dist_attn_config, cp_group,
     )
     _get_runtime(key)  # plan now: validation errors surface here, not inside the model
+    if cp_size > 1:
+        check_agreement(_key_fields(key), cp_group, dist_attn_config.comm_timeout_s, _KEY_CHECK)
     _MOST_RECENT[id(cp_group)] = key
     return key
+
+
+_KEY_CHECK = ("key (mask, sizes, heads, head dim, config); every rank of cp_group must create it, and a rank "
+              "that passed cp_group=None or skipped the call leaves the others waiting")
+_CALL_CHECK = "calc_attn call (dtype, device, softmax_scale, softcap, kernel backend, autograd)"
+_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _key_fields(key: DistAttnKey) -> list[Field]:
+    """What every rank of the group must agree on for one key (one all-gather of int64s)."""
+    return [
+        Field("cp size", key.cp_size), Field("total_seqlen", key.total_seqlen),
+        Field("num_heads_q", key.num_heads_q), Field("num_heads_kv", key.num_heads_kv), Field("head_dim", key.head_dim),
+        Field("number of mask slices", len(key.slices)), Field("mask slices", digest(key.slices), digest=True),
+        *config_fields("dist_attn_config", key.config), group_field(key.group),
+    ]
+
+
+def _check_call(rt: DistAttnRuntime, q: torch.Tensor, scale: float, softcap: float, backend: str,
+                needs_grad: bool) -> None:
+    """Agree across ranks on what a calc_attn call runs with; checked on the first call and again
+    whenever a value changes (in a correct program every rank changes it in the same call)."""
+    call = (q.dtype, q.device.type, scale, softcap, backend, needs_grad)
+    if rt.group is None or rt.plan.cp_size == 1 or rt.agreed_call == call:
+        return
+    fields = [
+        labelled("dtype", str(q.dtype).removeprefix("torch."), _DTYPES), labelled("device", q.device.type, ("cpu", "cuda")),
+        Field("softmax_scale", digest(scale), digest=True), Field("softcap", digest(softcap), digest=True),
+        Field("kernel backend", digest(backend), digest=True),
+        labelled("autograd (a backward will run)", str(needs_grad), ("False", "True")),
+    ]
+    check_agreement(fields, rt.group, rt.config.comm_timeout_s, _CALL_CHECK)
+    rt.agreed_call = call
 
 
 def magi_attn_varlen_key(
@@ -193,7 +229,7 @@ class _Dispatch(torch.autograd.Function):
 
 
 def _gather_unpermute(x_local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
-    gathered = all_gather_rows(x_local, rt.group)
+    gathered = all_gather_rows(x_local, rt.group, rt.config.comm_timeout_s, "all-gather of dispatched rows")
     out = torch.empty_like(gathered)
     out.index_copy_(0, on_device(rt.perm, x_local.device), gathered)
     return out
@@ -256,4 +292,6 @@ def calc_attn(
         raise ValueError(f"softcap must be a finite value >= 0, got {softcap}")
     scale = 1.0 / math.sqrt(key.head_dim) if softmax_scale is None else float(softmax_scale)
     backend = resolve_backend(key.config.kernel_backend, q)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    _check_call(rt, q, scale, float(softcap), backend, needs_grad)
     return DistAttnFunction.apply(q, k, v, rt, scale, float(softcap), backend)

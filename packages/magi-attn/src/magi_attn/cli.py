@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 
-from .launch import finish_worker, free_port
 
 logger = logging.getLogger("magi_attn.cli")
 
 
-def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) -> None:
+def _run_worker(env, args: argparse.Namespace, use_cuda: bool) -> dict | None:
+    """One rank of ``magi-attn run``; rank 0 returns the report."""
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -23,19 +22,16 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
     from magi_solver import slice_ranges
 
     from . import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_flex_key, undispatch
+    from .launch import init_worker
     from .masks import make_mask
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cp))
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=args.cp)
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    config = DistAttnConfig(DispatchConfig(chunk_size=args.chunk_size), OverlapConfig(degree=args.degree),
+                            kernel_backend=args.backend, comm_backend=args.comm, ranks_per_node=args.ranks_per_node,
+                            comm_timeout_s=args.timeout)
+    device = init_worker(env, use_cuda, config.comm_timeout_s)
+    rank, world = env.rank, env.world_size
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[args.dtype]
     slices = make_mask(args.mask, args.seqlen, window=args.window, block=args.block, seed=args.seed)
-    config = DistAttnConfig(DispatchConfig(chunk_size=args.chunk_size), OverlapConfig(degree=args.degree),
-                            kernel_backend=args.backend, comm_backend=args.comm, ranks_per_node=args.ranks_per_node)
     t0 = time.perf_counter()
     key = magi_attn_flex_key([s.q_range for s in slices], [s.k_range for s in slices], [s.mask_type for s in slices],
                              args.seqlen, args.seqlen, args.heads_q, args.heads_kv, args.head_dim, dist.group.WORLD, config)
@@ -45,8 +41,7 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
                for h in (args.heads_q, args.heads_kv, args.heads_kv))
     ql, kl, vl = (dispatch(t, key).detach().requires_grad_() for t in (q, k, v))
     times = []
-    bar = tqdm(range(args.iters), desc="fwd+bwd", disable=rank != 0, file=sys.stdout)
-    for _ in bar:
+    for _ in tqdm(range(args.iters), desc="fwd+bwd", disable=rank != 0, file=sys.stderr):
         if use_cuda:
             torch.cuda.synchronize()
         dist.barrier()
@@ -57,40 +52,49 @@ def _run_worker(rank: int, args: argparse.Namespace, port: int, use_cuda: bool) 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         ql.grad = kl.grad = vl.grad = None
-    out, _ = calc_attn(ql, kl, vl, key)
-    full_out = undispatch(out.detach(), key)
-    plan = key.runtime.plan
-    if rank == 0:
-        ref, _ = flex_flash_attn_func(q.double(), k.double(), v.double(), *slice_ranges(slices), backend="torch")
-        err = (full_out.double() - ref).abs().max().item()
-        tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
-        area = sum(s.area for s in slices)
-        med = sorted(times)[len(times) // 2]
-        flops = 4 * area * args.heads_q * args.head_dim * 3.5  # fwd + bwd (2.5x)
-        report = {
-            "backend": "nccl" if use_cuda else "gloo", "cp": args.cp, "mask": args.mask, "seqlen": args.seqlen,
-            "slices": len(slices), "dtype": args.dtype, "plan_s": round(plan_s, 4), **plan.summary(),
-            "median_fwd_bwd_s": round(med, 4), "tflops_per_rank": round(flops / med / args.cp / 1e12, 6),
-            "max_abs_err_vs_fp64": err, "tolerance": tol, "ok": err <= tol,
-        }
-        print(json.dumps(report, indent=2))
-        if err > tol:
-            raise SystemExit(f"distributed result differs from the reference by {err} > {tol}")
-    dist.barrier()
-    finish_worker()
+    with torch.no_grad():
+        out, _ = calc_attn(ql, kl, vl, key)
+    full_out = undispatch(out, key)
+    if rank != 0:
+        return None
+    ref, _ = flex_flash_attn_func(q.double(), k.double(), v.double(), *slice_ranges(slices), backend="torch")
+    err = (full_out.double() - ref).abs().max().item()
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    area = sum(s.area for s in slices)
+    med = sorted(times)[len(times) // 2]
+    flops = 4 * area * args.heads_q * args.head_dim * 3.5  # fwd + bwd (2.5x)
+    return {
+        "backend": "nccl" if use_cuda else "gloo", "launched": env.launched, "cp": world, "mask": args.mask,
+        "seqlen": args.seqlen, "slices": len(slices), "dtype": args.dtype, "plan_s": round(plan_s, 4),
+        **key.runtime.plan.summary(), "median_fwd_bwd_s": round(med, 4),
+        "tflops_per_rank": round(flops / med / world / 1e12, 6),
+        "max_abs_err_vs_fp64": err, "tolerance": tol, "ok": err <= tol,
+    }
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
-    import torch.multiprocessing as mp
 
+    from .launch import launched_env, run_workers
+
+    env = launched_env()
+    if env is not None and args.cp is not None and args.cp != env.world_size:
+        raise ValueError(f"--cp {args.cp} disagrees with the launcher's WORLD_SIZE={env.world_size}; "
+                         "leave --cp out under torchrun (the launcher sets the number of ranks)")
+    nprocs = env.world_size if env is not None else (args.cp or 4)
+    local = env.local_world_size if env is not None else nprocs
     use_cuda = torch.cuda.is_available() and not args.cpu
-    if use_cuda and torch.cuda.device_count() < args.cp:
-        logger.warning("only %d GPUs for cp=%d: running on CPU processes with gloo", torch.cuda.device_count(), args.cp)
+    if use_cuda and torch.cuda.device_count() < local:
+        logger.warning("only %d GPUs for %d ranks on this host: running on CPU processes with gloo",
+                       torch.cuda.device_count(), local)
         use_cuda = False
-    if args.cp < 1:
-        raise SystemExit("--cp must be >= 1")
-    mp.spawn(_run_worker, args=(args, free_port(), use_cuda), nprocs=args.cp, join=True)
+    report = run_workers(_run_worker, nprocs, args, use_cuda)
+    if report is None:  # not rank 0 of a launched job
+        return 0
+    print(json.dumps(report, indent=2))
+    if not report["ok"]:
+        raise RuntimeError(f"distributed result differs from the reference by {report['max_abs_err_vs_fp64']} "
+                           f"> {report['tolerance']}")
     return 0
 
 
@@ -101,19 +105,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     slices = make_mask(args.mask, args.seqlen, window=args.window, block=args.block, seed=args.seed)
-    plan = DistAttnPlan(slices, args.seqlen, args.cp, num_heads_q=args.heads_q, num_heads_kv=args.heads_kv,
+    cp = args.cp or 4
+    plan = DistAttnPlan(slices, args.seqlen, cp, num_heads_q=args.heads_q, num_heads_kv=args.heads_kv,
                         head_dim=args.head_dim, dispatch_config=DispatchConfig(chunk_size=args.chunk_size),
                         overlap_config=OverlapConfig(degree=args.degree))
-    casts = [[plan.cast_plan(s, r) for s in range(plan.num_stages)] for r in range(args.cp)]
+    casts = [[plan.cast_plan(s, r) for s in range(plan.num_stages)] for r in range(cp)]
     plan.calc_plan(0)
     summary = plan.summary()
     if args.ranks_per_node:
         from magi_comm.hierarchical import NodeTopology, inter_node_rows
 
-        topo = NodeTopology(args.cp, args.ranks_per_node)
+        topo = NodeTopology(cp, args.ranks_per_node)
         for name, dedup in (("flat", False), ("two_hop", True)):
             summary[f"inter_node_kv_rows_{name}"] = sum(
-                inter_node_rows(topo, r, c.input_split_sizes, c.dst_indices, dedup) for r in range(args.cp) for c in casts[r])
+                inter_node_rows(topo, r, c.input_split_sizes, c.dst_indices, dedup) for r in range(cp) for c in casts[r])
     summary["plan_s_all_ranks"] = round(time.perf_counter() - t0, 4)
     summary["slices"] = len(slices)
     if not args.verbose:
@@ -123,8 +128,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         from .plot import plot_dispatch
 
-        plot_dispatch(plan, args.plot, title=f"{args.mask}, {args.seqlen} tokens, cp={args.cp}")
-        print(f"wrote {args.plot}")
+        plot_dispatch(plan, args.plot, title=f"{args.mask}, {args.seqlen} tokens, cp={cp}")
+        logger.warning("wrote %s", args.plot)
     return 0
 
 
@@ -147,46 +152,98 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     from .masks import MASKS
 
     p.add_argument("--mask", choices=MASKS, default="varlen_causal")
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks (processes)")
-    p.add_argument("--heads-q", type=int, default=8)
-    p.add_argument("--heads-kv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--degree", type=int, default=2, help="overlap stages (0 = no overlap)")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--seqlen", type=_positive_int, default=8192)
+    p.add_argument("--cp", type=_positive_int, default=None,
+                   help="context-parallel ranks (default 4; under torchrun the launcher's WORLD_SIZE)")
+    p.add_argument("--heads-q", type=_positive_int, default=8)
+    p.add_argument("--heads-kv", type=_positive_int, default=2)
+    p.add_argument("--head-dim", type=_positive_int, default=64)
+    p.add_argument("--chunk-size", type=_positive_int, default=None)
+    p.add_argument("--degree", type=_non_negative_int, default=2, help="overlap stages (0 = no overlap)")
+    p.add_argument("--window", type=_positive_int, default=1024)
+    p.add_argument("--block", type=_positive_int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ranks-per-node", type=int, default=None,
+    p.add_argument("--ranks-per-node", type=_positive_int, default=None,
                    help="ranks per node: run uses it with --comm hier; plan reports inter-node KV rows")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _one_line(error: BaseException) -> str:
+    """The last line of an error; a spawned worker's error arrives as its whole traceback."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="magi-attn", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"magi-attn {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="logging level of magi's loggers (stderr)")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="cmd")
     run = sub.add_parser("run", help="distributed attention fwd+bwd over CP processes, checked against fp64")
     _common(run)
-    run.add_argument("--iters", type=int, default=3)
+    run.add_argument("--iters", type=_positive_int, default=3)
     run.add_argument("--dtype", choices=("fp32", "bf16", "fp64"), default="fp32")
     run.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     run.add_argument("--cpu", action="store_true", help="force CPU processes with gloo")
     run.add_argument("--comm", choices=("a2a", "ipc", "hier"), default="a2a",
                      help="GroupCast/GroupReduce backend (hier: node-aware two hops, see --ranks-per-node)")
+    run.add_argument("--timeout", type=_positive_float, default=None,
+                     help="seconds a rank waits for its peers in a collective before it fails (default 300)")
     plan = sub.add_parser("plan", help="solve a mask and print the plan (optionally plot the dispatch)")
     _common(plan)
     plan.add_argument("--plot", default=None, help="write a PNG of mask and dispatch")
     plan.add_argument("--verbose", action="store_true")
     sub.add_parser("env", help="versions and available backends")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: the JSON report alone goes to stdout; progress, logs and errors go to stderr.
+    An error is one line (exit 1) unless ``--debug`` asks for its traceback."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.cmd is None:
-        args = parser.parse_args(["run", *(argv or [])])
-    return {"run": cmd_run, "plan": cmd_plan, "env": cmd_env}[args.cmd](args)
+        args = parser.parse_args([*argv, "run"])
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.cmd == "run" and args.timeout is None:
+        from magi_comm import DEFAULT_TIMEOUT_S
+
+        args.timeout = DEFAULT_TIMEOUT_S
+    try:
+        return {"run": cmd_run, "plan": cmd_plan, "env": cmd_env}[args.cmd](args)
+    except Exception as e:  # noqa: BLE001 - a CLI reports, --debug shows the traceback
+        if args.debug:
+            raise
+        print(f"magi-attn {args.cmd}: error: {_one_line(e)} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

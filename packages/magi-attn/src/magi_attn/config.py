@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from magi_comm import DEFAULT_TIMEOUT_S
 from magi_kernels import BACKENDS
 from magi_solver import DispatchConfig, OverlapConfig
 
@@ -27,6 +28,12 @@ class DistAttnConfig:
             dK/dV partials are pre-reduced per node).
         ranks_per_node: ranks on each node for ``"hier"``; None = ``LOCAL_WORLD_SIZE`` (torchrun)
             or one node.
+        comm_timeout_s: seconds a rank waits in one of magi's collectives (the plan agreement
+            check, GroupCast/GroupReduce, dispatch's all-gathers) before it raises
+            :class:`magi_comm.PeerFailureError` saying that a peer failed or did not join. gloo
+            enforces it on the host; on NCCL the process group's own timeout
+            (``init_process_group(timeout=...)``) ends a hang, and magi's launchers set that to
+            this value. None waits forever.
     """
 
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
@@ -34,6 +41,7 @@ class DistAttnConfig:
     kernel_backend: str = "auto"
     comm_backend: str = "a2a"
     ranks_per_node: int | None = None
+    comm_timeout_s: float | None = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.dispatch, DispatchConfig):
@@ -46,3 +54,6 @@ class DistAttnConfig:
             raise ValueError(f"DistAttnConfig.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"DistAttnConfig.ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
+        t = self.comm_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ValueError(f"DistAttnConfig.comm_timeout_s must be a finite number of seconds > 0 or None, got {t!r}")

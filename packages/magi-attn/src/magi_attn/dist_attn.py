@@ -26,8 +26,8 @@ def _cast_kv(kv: torch.Tensor, rt: DistAttnRuntime, stage: int):
         return PendingCollective([], lambda: out)
     hier = rt.hier(kv)
     if hier is not None:
-        return hier[0].group_cast(kv, async_op=True, plan=hier[1][stage], **kw)
-    return group_cast(kv, group=rt.group, async_op=True, **kw)
+        return hier[0].group_cast(kv, async_op=True, plan=hier[1][stage], timeout_s=rt.config.comm_timeout_s, **kw)
+    return group_cast(kv, group=rt.group, async_op=True, timeout_s=rt.config.comm_timeout_s, **kw)
 
 
 def _reduce_dkv(part: torch.Tensor, dkv: torch.Tensor, rt: DistAttnRuntime, stage: int):
@@ -40,8 +40,9 @@ def _reduce_dkv(part: torch.Tensor, dkv: torch.Tensor, rt: DistAttnRuntime, stag
         return PendingCollective([], lambda: dkv)
     hier = rt.hier(part)
     if hier is not None:
-        return hier[0].group_reduce(part, dkv, op="sum", async_op=True, plan=hier[1][stage], **kw)
-    return group_reduce(part, dkv, group=rt.group, op="sum", async_op=True, **kw)
+        return hier[0].group_reduce(part, dkv, op="sum", async_op=True, plan=hier[1][stage],
+                                    timeout_s=rt.config.comm_timeout_s, **kw)
+    return group_reduce(part, dkv, group=rt.group, op="sum", async_op=True, timeout_s=rt.config.comm_timeout_s, **kw)
 
 
 def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend):

@@ -59,6 +59,8 @@ class DistAttnRuntime:
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
         self._ipc = None
         self._hier = None
+        # the (dtype, device, scale, softcap, backend, autograd) the ranks last agreed on (agreement.py)
+        self.agreed_call: tuple | None = None
         logger.debug("rank %d runtime: %s", rank, plan.summary())
 
     def ipc(self, kv: torch.Tensor):

@@ -12,11 +12,12 @@ from .group_collective import (
     lse_scatter_merge,
     reduce_index_plan,
 )
+from .waiting import DEFAULT_TIMEOUT_S, PeerFailureError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "COMM_STATS",
+    "COMM_STATS", "DEFAULT_TIMEOUT_S", "PeerFailureError",
     "A2AIndexPlan", "PendingCollective", "all_gather_rows", "REDUCE_OPS", "cast_index_plan", "group_cast", "group_reduce",
     "lse_scatter_merge", "reduce_index_plan",
 ]

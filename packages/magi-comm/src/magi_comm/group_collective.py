@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import native
 from .device_index import on_device
+from .waiting import DEFAULT_TIMEOUT_S, wait_works
 
 REDUCE_OPS = ("sum", "lse")
 
@@ -122,15 +123,19 @@ def _wire_view(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
 
 
 class PendingCollective:
-    """Handle of an asynchronous group collective; ``wait()`` finishes it and returns the output."""
+    """Handle of an asynchronous group collective; ``wait()`` finishes it and returns the output.
 
-    def __init__(self, works: list, finish):
+    ``wait()`` raises :class:`magi_comm.PeerFailureError` when a peer fails or does not join
+    within ``timeout_s`` (see :mod:`magi_comm.waiting`)."""
+
+    def __init__(self, works: list, finish, group: dist.ProcessGroup | None = None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, what: str = "collective"):
         self._works, self._finish, self._result = works, finish, None
+        self._group, self._timeout_s, self._what = group, timeout_s, what
 
     def wait(self):
         if self._finish is not None:
-            for w in self._works:
-                w.wait()
+            wait_works(self._works, self._group, self._timeout_s, self._what)
             self._result = self._finish()
             self._finish = None
         return self._result
@@ -172,12 +177,14 @@ def group_cast(
     group: dist.ProcessGroup | None = None,
     output: torch.Tensor | None = None,
     async_op: bool = False,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ):
     """Copy input split ``i`` to every rank in ``dst_indices[i]``; output split ``j`` comes from
     rank ``src_index[j]`` (stable order per source). Dim 0 is split; other dims must match.
 
     Returns the output tensor (written in place when ``output`` is given), or a
-    :class:`PendingCollective` with ``async_op=True``.
+    :class:`PendingCollective` with ``async_op=True``. A peer that fails or does not join within
+    ``timeout_s`` raises :class:`magi_comm.PeerFailureError` (None: wait forever).
     """
     world, _ = _world_and_rank(group)
     if sum(input_split_sizes) != input.shape[0]:
@@ -197,7 +204,7 @@ def group_cast(
         output.index_copy_(0, on_device(plan.recv_rows, output.device), recv)
         return output
 
-    pending = PendingCollective(works, finish)
+    pending = PendingCollective(works, finish, group, timeout_s, "GroupCast")
     return pending if async_op else pending.wait()
 
 
@@ -232,13 +239,14 @@ def group_reduce(
     input_lse: torch.Tensor | None = None,
     output_lse: torch.Tensor | None = None,
     async_op: bool = False,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ):
     """Send input split ``i`` to rank ``dst_index[i]``; output split ``j`` is reduced *in place*
     (accumulated onto ``output``) from the partials of every rank in ``src_indices[j]``.
 
     ``op="sum"`` adds; ``op="lse"`` merges partial attention outputs with their LSEs
     (``input_lse``/``output_lse`` ``[rows, heads]``; ``output_lse`` is updated in place too).
-    Returns ``output`` or a :class:`PendingCollective`.
+    Returns ``output`` or a :class:`PendingCollective`; ``timeout_s`` as in :func:`group_cast`.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
@@ -264,16 +272,19 @@ def group_reduce(
             lse_scatter_merge(output, output_lse, rows, bufs[0], bufs[1])
         return output
 
-    pending = PendingCollective(works, finish)
+    pending = PendingCollective(works, finish, group, timeout_s, "GroupReduce")
     return pending if async_op else pending.wait()
 
 
-def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate equally sized ``x`` of every rank along dim 0, in rank order."""
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    timeout_s: float | None = DEFAULT_TIMEOUT_S, what: str = "all-gather") -> torch.Tensor:
+    """Concatenate equally sized ``x`` of every rank along dim 0, in rank order (``timeout_s`` as
+    in :func:`group_cast`; ``what`` names the collective in its error)."""
     world, _ = _world_and_rank(group)
     if world == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather([_wire_view(p, group) for p in parts], _wire_view(x, group), group=group)
+    work = dist.all_gather([_wire_view(p, group) for p in parts], _wire_view(x, group), group=group, async_op=True)
+    wait_works([work], group, timeout_s, what)
     return torch.cat(parts, dim=0)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .device_index import on_device
+from .waiting import DEFAULT_TIMEOUT_S, wait_works
 from .group_collective import (
     COMM_STATS,
     REDUCE_OPS,
@@ -285,7 +286,7 @@ class HierarchicalCollectives:
 
     def group_cast(self, input: torch.Tensor, *, input_split_sizes, output_split_sizes, dst_indices, src_index,
                    output: torch.Tensor | None = None, async_op: bool = False, plan_key: Hashable | None = None,
-                   plan: TwoHopPlan | None = None):
+                   plan: TwoHopPlan | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         """As :func:`magi_comm.group_cast`; hop 2 runs inside ``wait()`` of an async call.
         ``plan``: this call's :meth:`cast_plan`, built beforehand (no metadata exchange)."""
         if sum(input_split_sizes) != input.shape[0]:
@@ -300,11 +301,9 @@ class HierarchicalCollectives:
         (hop1,), works = self._hop([input], plan.inter, inter=True)
 
         def finish():
-            for w in works:
-                w.wait()
+            wait_works(works, self.inter, timeout_s, "GroupCast (inter-node hop)")
             (hop2,), works2 = self._hop([torch.cat([input, hop1])], plan.intra, inter=False)
-            for w in works2:
-                w.wait()
+            wait_works(works2, self.intra, timeout_s, "GroupCast (intra-node hop)")
             output.index_copy_(0, on_device(plan.intra.recv_rows, output.device), hop2)
             return output
 
@@ -314,7 +313,8 @@ class HierarchicalCollectives:
     def group_reduce(self, input: torch.Tensor, output: torch.Tensor, *, input_split_sizes, output_split_sizes,
                      dst_index, src_indices, op: str = "sum", input_lse: torch.Tensor | None = None,
                      output_lse: torch.Tensor | None = None, async_op: bool = False,
-                     plan_key: Hashable | None = None, plan: TwoHopPlan | None = None):
+                     plan_key: Hashable | None = None, plan: TwoHopPlan | None = None,
+                     timeout_s: float | None = DEFAULT_TIMEOUT_S):
         """As :func:`magi_comm.group_reduce`: partials are pre-reduced on their node's proxy, so
         each reduced row crosses the network once. Sums run in another order than the flat
         reduce (equal up to rounding); ``op="lse"`` merges with the same rule. ``plan``: the
@@ -340,8 +340,7 @@ class HierarchicalCollectives:
                 lse_scatter_merge(out, out_lse, rows, parts[0], parts[1])
 
         def finish():
-            for w in works:
-                w.wait()
+            wait_works(works, self.intra, timeout_s, "GroupReduce (intra-node hop)")
             rows = on_device(plan.intra.send_rows, output.device)  # positions in cat(output, proxy buffer)
             own = rows < n_out
             reduce_into(output, output_lse, rows[own], [b[own] for b in bufs])
@@ -349,8 +348,7 @@ class HierarchicalCollectives:
             tmp_lse = output_lse.new_full((n1, *output_lse.shape[1:]), float("-inf")) if op == "lse" else None
             reduce_into(tmp, tmp_lse, rows[~own] - n_out, [b[~own] for b in bufs])
             back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], _transposed(plan.inter), inter=True)
-            for w in works2:
-                w.wait()
+            wait_works(works2, self.inter, timeout_s, "GroupReduce (inter-node hop)")
             reduce_into(output, output_lse, on_device(plan.inter.send_rows, output.device), back)
             return output
 
