@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from magi_attn.launch import finish_worker, free_port
+from magi_attn.launch import free_port
 
 MASKS = ["full", "causal", "varlen_causal", "varlen_block_causal"]
 
@@ -122,7 +122,7 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
                 rows.append(res)
     if rank == 0:
         queue.put(rows)
-    finish_worker()
+    dist.destroy_process_group()
 
 
 def main(argv=None):

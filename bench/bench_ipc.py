@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from magi_attn.launch import finish_worker, free_port
+from magi_attn.launch import free_port
 
 
 def worker(rank, args, port, q):
@@ -52,7 +52,7 @@ def worker(rank, args, port, q):
                "ipc_GBps_per_rank": sent / t_ipc / 1e9, "gloo_a2a_GBps_per_rank": sent / t_a2a / 1e9,
                "ipc_ms": t_ipc * 1e3, "gloo_a2a_ms": t_a2a * 1e3,
                "note": "all ranks share one GPU: the IPC number is bounded by that GPU's copy bandwidth"})
-    finish_worker()
+    dist.destroy_process_group()
 
 
 def main():

@@ -22,8 +22,8 @@ def _compose(*overrides):
 def test_defaults_and_overrides():
     cfg = resolve(_compose())
     assert (cfg.parallel.dp, cfg.parallel.cp, cfg.cp.backend, cfg.mask.name) == (1, 4, "magi", "varlen_causal")
-    cfg = resolve(_compose("parallel=cpu_dp2_cp2", "mask.seqlen=512", "cp.degree=2"))
-    assert (cfg.parallel.dp, cfg.parallel.cp, cfg.mask.seqlen, cfg.cp.degree) == (2, 2, 512, 2)
+    cfg = resolve(_compose("parallel=cpu_dp2_cp2", "mask.seqlen=512", "cp.overlap_degree=2"))
+    assert (cfg.parallel.dp, cfg.parallel.cp, cfg.mask.seqlen, cfg.cp.overlap_degree) == (2, 2, 512, 2)
     assert type(cfg.parallel).__name__ == "ParallelConfig"
 
 
@@ -34,10 +34,14 @@ def test_defaults_and_overrides():
         (["model.num_heads=3"], "multiple of model.num_heads"),
         (["mask.name=diagonal"], "mask.name must be one of"),
         (["dtype=int8"], "dtype must be one of"),
-        (["parallel.dp=0"], "ParallelConfig.dp must be a positive int"),
+        (["parallel.dp=0"], "parallel.dp must be a positive int"),
         (["mask.seqlen=100000"], "exceeds model.max_position_embeddings"),
         (["cp.comm_backend=nccl"], "cp.comm_backend must be one of"),
         (["cp.ranks_per_node=0"], "ranks_per_node"),
+        (["parallel.cp=0"], "parallel.cp must be a positive int"),
+        (["cp.overlap_degree=-1"], "cp.overlap_degree must be an int >= 0"),
+        (["cp.comm_timeout_s=0"], "cp.comm_timeout_s must be"),
+        (["mask.seqlen=1"], "mask.seqlen=1 is too short to train"),
     ],
 )
 def test_validation_errors(overrides, match):
@@ -54,7 +58,7 @@ def test_cp_training_matches_single_process_and_learns():
     common = ["mask.seqlen=384", "steps=3", "dtype=float64", "model.hidden_size=32", "model.intermediate_size=64",
               "cp.chunk_size=16"]
     single = run(_compose("parallel=single", "cp=none", *common))
-    cp = run(_compose("parallel=cpu_dp2_cp2", *common, "cp.degree=2"))
+    cp = run(_compose("parallel=cpu_dp2_cp2", *common, "cp.overlap_degree=2"))
     # dp=2 averages two different batches: compare the cp=2,dp=1 run to the single process instead
     cp_only = run(_compose("parallel.cp=2", *common))
     for a, b in zip(single["losses"], cp_only["losses"]):
@@ -68,3 +72,21 @@ def test_cp_training_matches_single_process_and_learns():
             assert abs(a - b) < 1e-9, (extra, single_c["losses"], other["losses"])
     assert cp["last_loss"] < cp["first_loss"]
     assert OmegaConf.create({"ok": True}).ok
+
+
+def test_cp_without_fsdp_averages_gradients_like_the_single_process():
+    common = ["mask.seqlen=256", "steps=3", "dtype=float64", "model.hidden_size=32", "model.intermediate_size=64",
+              "cp.chunk_size=16", "mask.name=causal"]
+    single = run(_compose("parallel=single", "cp=none", *common))
+    no_fsdp = run(_compose("parallel.cp=2", "parallel.fsdp=false", *common))
+    for a, b in zip(single["losses"], no_fsdp["losses"]):
+        assert abs(a - b) < 1e-9, (single["losses"], no_fsdp["losses"])
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["mask.seqlen=7"], "mask.seqlen=7 is too short to train"),  # documents of one token: nothing to predict
+    (["lr=1e30", "steps=4"], "the loss is nan"),
+])
+def test_runs_that_cannot_train_stop_with_an_error(overrides, error):
+    with pytest.raises(Exception, match=error):
+        run(_compose("parallel.cp=2", "model.hidden_size=32", "model.intermediate_size=64", *overrides))

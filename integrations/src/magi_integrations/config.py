@@ -3,8 +3,9 @@ field and the fix. Group fields are typed ``Any`` so Hydra keeps the chosen opti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -15,17 +16,24 @@ CP_BACKENDS = ("magi", "none")
 DEVICES = ("cpu", "cuda")
 
 
+def _path(obj: object, name: str) -> str:
+    """The config path of field ``name`` of a group config (``parallel.cp``), as a user writes it."""
+    group = getattr(obj, "group", "")
+    return f"{group}.{name}" if group else name
+
+
 def _positive(obj: object, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{type(obj).__name__}.{n} must be a positive int, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{_path(obj, n)} must be a positive int, got {v!r}")
 
 
 @dataclass
 class ModelConfig:
     """A Llama-style decoder built from a config (no downloads)."""
 
+    group: ClassVar[str] = "model"
     name: str = "tiny_llama"
     vocab_size: int = 256
     hidden_size: int = 64
@@ -48,6 +56,7 @@ class MaskConfig:
     """Packed synthetic documents: ``varlen_causal`` (lengths from the embedded distribution) or
     ``causal`` (one document)."""
 
+    group: ClassVar[str] = "mask"
     name: str = "varlen_causal"
     seqlen: int = 4096
     seed: int = 0
@@ -56,18 +65,24 @@ class MaskConfig:
         if self.name not in LM_MASKS:
             raise ValueError(f"mask.name must be one of {LM_MASKS}, got {self.name!r}")
         _positive(self, "seqlen")
+        if self.seqlen < 2:
+            raise ValueError(f"mask.seqlen={self.seqlen} is too short to train: a token needs a next token to predict")
 
 
 @dataclass
 class CPConfig:
-    """Context parallelism: ``magi`` (dispatch + distributed attention) or ``none``."""
+    """Context parallelism: ``magi`` (dispatch + distributed attention) or ``none``. The number of
+    CP ranks is ``parallel.cp``; ``overlap_degree`` is the number of overlap stages of remote KV
+    (0 = no overlap), not a parallel size."""
 
+    group: ClassVar[str] = "cp"
     backend: str = "magi"
-    degree: int = 1
+    overlap_degree: int = 1
     chunk_size: Optional[int] = None
     kernel_backend: str = "auto"
     comm_backend: str = "a2a"  # a2a | ipc | hier (node-aware two hops, see ranks_per_node)
     ranks_per_node: Optional[int] = None
+    comm_timeout_s: float = 300.0  # a rank whose peer fails raises after this (DistAttnConfig.comm_timeout_s)
 
     def __post_init__(self) -> None:
         from magi_attn.config import COMM_BACKENDS
@@ -75,8 +90,10 @@ class CPConfig:
 
         if self.backend not in CP_BACKENDS:
             raise ValueError(f"cp.backend must be one of {CP_BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.degree, int) or self.degree < 0:
-            raise ValueError(f"cp.degree must be an int >= 0, got {self.degree!r}")
+        if isinstance(self.overlap_degree, bool) or not isinstance(self.overlap_degree, int) or self.overlap_degree < 0:
+            raise ValueError(f"cp.overlap_degree must be an int >= 0, got {self.overlap_degree!r}")
+        if not (isinstance(self.comm_timeout_s, (int, float)) and 0 < self.comm_timeout_s < math.inf):
+            raise ValueError(f"cp.comm_timeout_s must be a finite number of seconds > 0, got {self.comm_timeout_s!r}")
         if self.chunk_size is not None:
             _positive(self, "chunk_size")
         if self.kernel_backend not in BACKENDS:
@@ -89,8 +106,10 @@ class CPConfig:
 
 @dataclass
 class ParallelConfig:
-    """Process layout: ``dp * cp`` processes; FSDP2 shards over all of them."""
+    """Process layout: ``dp * cp`` processes. ``fsdp``: FSDP2 shards over all of them; without it
+    the model is replicated and DDP averages the gradients over all of them."""
 
+    group: ClassVar[str] = "parallel"
     dp: int = 1
     cp: int = 2
     device: str = "cpu"

@@ -2,22 +2,23 @@
 
 ``magi-train`` (defaults: 4 CPU processes with gloo, cp=4, packed varlen-causal documents of
 4096 tokens) logs loss and tokens/s with a progress bar. Override anything from the command line:
-``magi-train parallel=cpu_dp2_cp2 mask.seqlen=8192 steps=50 cp.degree=2``.
+``magi-train parallel=cpu_dp2_cp2 mask.seqlen=8192 steps=50 cp.overlap_degree=2``. Under
+``torchrun --nproc-per-node N --no-python magi-train ...`` each process is one rank (N must be
+``parallel.dp * parallel.cp``); without a launcher the app starts its own local workers.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
-import tempfile
 import sys
 import time
 from typing import Any
 
 import torch
 
-from magi_attn.launch import finish_worker, free_port
+from magi_attn import WorkerEnv, init_worker, launched_env, run_workers
 
 from .config import TrainConfig, register_configs
 
@@ -66,7 +67,21 @@ def build_model(cfg: TrainConfig, attn: str, dtype: torch.dtype, device: torch.d
     return model
 
 
-def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results_path: str) -> None:
+def _log_to(log_dir: str | None, rank: int) -> None:
+    """Send this worker's log records to ``<log_dir>/rank<r>.log`` (the Hydra run's folder): a
+    spawned worker does not inherit the handlers Hydra gave the main process."""
+    if not log_dir:
+        return
+    handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    for name in ("magi_integrations", "magi_attn", "magi_comm", "magi_kernels"):
+        lg = logging.getLogger(name)
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+
+
+def _worker(env: WorkerEnv, cfg: TrainConfig, log_dir: str | None) -> dict[str, Any] | None:
+    """One rank of the training run; rank 0 returns the losses and step times."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -75,88 +90,89 @@ def _worker(rank: int, cfg: TrainConfig, port: int, world: int, results_path: st
     from .fsdp import build_dp_cp_mesh, shard_model
     from .hf import attention_config, gather_logits, prepare_cp_batch
 
+    _log_to(log_dir, env.rank)
     p = cfg.parallel
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     use_cuda = p.device == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(rank)
+    device = init_worker(env, use_cuda, cfg.cp.comm_timeout_s)
+    world = env.world_size
+    if world != p.dp * p.cp:
+        raise ValueError(f"parallel.dp * parallel.cp = {p.dp * p.cp} processes, but {world} were launched; "
+                         "set torchrun's --nproc-per-node x --nnodes to dp * cp")
+    dtype = getattr(torch, cfg.dtype)
+    mesh = build_dp_cp_mesh(p.dp, p.cp, "cuda" if use_cuda else "cpu")
+    # attention is always magi (exact packed-document masks); cp.backend=none just means
+    # no CP group, i.e. every rank attends over its whole sequence
+    cp_group = mesh.cp_group if cfg.cp.backend == "magi" else None
+    model = build_model(cfg, "magi", dtype, device)
+    if world > 1 and p.fsdp:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        shard_model(model, mesh, (LlamaDecoderLayer,))
+        train_model = model
+    elif world > 1:
+        # without FSDP the gradients are still averaged over every rank (dp x cp), as FSDP would:
+        # each CP rank holds only its tokens' share of the gradient (see DpCpMesh.loss_scale)
+        train_model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.flat.get_group())
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    try:
-        device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-        dtype = getattr(torch, cfg.dtype)
-        mesh = build_dp_cp_mesh(p.dp, p.cp, "cuda" if use_cuda else "cpu")
-        # attention is always magi (exact packed-document masks); cp.backend=none just means
-        # no CP group, i.e. every rank attends over its whole sequence
-        cp_group = mesh.cp_group if cfg.cp.backend == "magi" else None
-        model = build_model(cfg, "magi", dtype, device)
-        if p.fsdp and world > 1:
-            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-            shard_model(model, mesh, (LlamaDecoderLayer,))
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        acfg = DistAttnConfig(DispatchConfig(chunk_size=cfg.cp.chunk_size), OverlapConfig(degree=cfg.cp.degree),
-                              kernel_backend=cfg.cp.kernel_backend, comm_backend=cfg.cp.comm_backend,
-                              ranks_per_node=cfg.cp.ranks_per_node)
-        losses, times = [], []
-        bar = tqdm(range(cfg.steps), desc="train", disable=rank != 0, file=sys.stdout)
-        for step in bar:
-            ids, cu = synthetic_documents(cfg.mask.seqlen, cfg.model.vocab_size, cfg.mask.name,
-                                          cfg.mask.seed + 1000 * step + mesh.dp_rank)
-            ids = ids.to(device)
-            t0 = time.perf_counter()
-            batch = prepare_cp_batch(ids, cu, cp_group=cp_group, config=acfg, **attention_config(model.config))
-            logits = gather_logits(model(**batch.model_kwargs()).logits, batch.key)
-            valid = (batch.labels != -100).sum()
-            loss = torch.nn.functional.cross_entropy(
-                logits[0].float(), batch.labels[0], ignore_index=-100, reduction="sum") / valid
-            (loss * mesh.loss_scale).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if use_cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            mean_loss = mean_loss.item() / world  # every CP rank holds its dp group's loss
-            losses.append(mean_loss)
-            times.append(dt)
-            tok_s = cfg.mask.seqlen * p.dp / dt
-            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tok_s:,.0f}")
-            if rank == 0:
-                logger.info("step %d loss %.5f tokens/s %.0f", step, mean_loss, tok_s)
-        if rank == 0:  # a file, not a queue: workers leave with os._exit (see finish_worker)
-            with open(results_path, "w") as f:
-                json.dump({"losses": losses, "step_s": times}, f)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    finish_worker()
+        train_model = model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    acfg = DistAttnConfig(DispatchConfig(chunk_size=cfg.cp.chunk_size), OverlapConfig(degree=cfg.cp.overlap_degree),
+                          kernel_backend=cfg.cp.kernel_backend, comm_backend=cfg.cp.comm_backend,
+                          ranks_per_node=cfg.cp.ranks_per_node, comm_timeout_s=cfg.cp.comm_timeout_s)
+    losses, times = [], []
+    for step in tqdm(range(cfg.steps), desc="train", disable=not env.is_main, file=sys.stderr):
+        ids, cu = synthetic_documents(cfg.mask.seqlen, cfg.model.vocab_size, cfg.mask.name,
+                                      cfg.mask.seed + 1000 * step + mesh.dp_rank)
+        ids = ids.to(device)
+        t0 = time.perf_counter()
+        batch = prepare_cp_batch(ids, cu, cp_group=cp_group, config=acfg, **attention_config(model.config))
+        logits = gather_logits(train_model(**batch.model_kwargs()).logits, batch.key)
+        valid = (batch.labels != -100).sum()
+        loss = torch.nn.functional.cross_entropy(
+            logits[0].float(), batch.labels[0], ignore_index=-100, reduction="sum") / valid.clamp(min=1)
+        # one all-reduce gives every rank the mean loss and whether any rank had nothing to
+        # predict, so all ranks stop together (before a backward that would spread a NaN)
+        stats = torch.stack([loss.detach().double(), (valid == 0).double()])
+        dist.all_reduce(stats)
+        mean_loss = stats[0].item() / world  # every CP rank holds its dp group's loss
+        if stats[1].item() > 0:
+            raise ValueError(f"mask.seqlen={cfg.mask.seqlen} is too short to train: at step {step} a batch has no "
+                             "token whose next token is in the same document; raise mask.seqlen")
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"the loss is {mean_loss} at step {step}: stopping the run (lower lr={cfg.lr}, "
+                                     f"or use dtype=float32 instead of {cfg.dtype})")
+        (loss * mesh.loss_scale).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if use_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        losses.append(mean_loss)
+        times.append(dt)
+        if env.is_main:
+            logger.info("step %d loss %.5f tokens/s %.0f", step, mean_loss, cfg.mask.seqlen * p.dp / dt)
+    return {"losses": losses, "step_s": times} if env.is_main else None
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """Train with a (composed or dataclass) config; returns rank 0's losses and step times."""
-    import torch.multiprocessing as mp
-
+def run(cfg: Any, log_dir: str | None = None) -> dict[str, Any] | None:
+    """Train with a (composed or dataclass) config. Returns rank 0's losses, step times and
+    tokens/s (None on the other ranks of a torchrun launch). Under torchrun this process is one
+    rank; otherwise it starts ``parallel.dp * parallel.cp`` local workers. ``log_dir`` receives
+    each worker's log (``rank<r>.log``)."""
     tc = resolve(cfg)
     world = tc.parallel.dp * tc.parallel.cp
-    if tc.parallel.device == "cuda" and torch.cuda.device_count() < world:
+    env = launched_env()
+    if env is None and tc.parallel.device == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"parallel.device=cuda needs {world} GPUs, found {torch.cuda.device_count()}")
-    fd, results_path = tempfile.mkstemp(prefix="magi-train-", suffix=".json")
-    os.close(fd)
     logger.info("training: %s", tc)
-    try:
-        mp.start_processes(_worker, args=(tc, free_port(), world, results_path), nprocs=world, start_method="spawn")
-        with open(results_path) as f:
-            out = json.load(f)
-    finally:
-        os.unlink(results_path)
+    out = run_workers(_worker, world, tc, log_dir)
+    if out is None:
+        return None
     tokens = tc.mask.seqlen * tc.parallel.dp
     med = sorted(out["step_s"])[len(out["step_s"]) // 2]
     out.update(first_loss=out["losses"][0], last_loss=out["losses"][-1], tokens_per_s=tokens / med)
-    print(f"loss {out['first_loss']:.4f} -> {out['last_loss']:.4f} over {tc.steps} steps, "
-          f"{out['tokens_per_s']:,.0f} tokens/s (median step, dp={tc.parallel.dp} cp={tc.parallel.cp})")
+    logger.info("loss %.4f -> %.4f over %d steps, %s tokens/s (median step, dp=%d cp=%d)", out["first_loss"],
+                out["last_loss"], tc.steps, f"{out['tokens_per_s']:,.0f}", tc.parallel.dp, tc.parallel.cp)
     return out
 
 
@@ -166,8 +182,15 @@ def main() -> None:
     register_configs()
 
     @hydra.main(config_path="conf", config_name="train", version_base="1.3")
-    def _app(cfg) -> None:
-        run(cfg)
+    def _app(cfg) -> float | None:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = run(cfg, HydraConfig.get().runtime.output_dir)
+        if out is None:  # a torchrun rank other than 0
+            return None
+        print(f"loss {out['first_loss']:.4f} -> {out['last_loss']:.4f} over {len(out['losses'])} steps, "
+              f"{out['tokens_per_s']:,.0f} tokens/s")
+        return out["last_loss"]  # the objective a Hydra sweeper minimises
 
     _app()
 
