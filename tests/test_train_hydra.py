@@ -90,3 +90,32 @@ def test_cp_without_fsdp_averages_gradients_like_the_single_process():
 def test_runs_that_cannot_train_stop_with_an_error(overrides, error):
     with pytest.raises(Exception, match=error):
         run(_compose("parallel.cp=2", "model.hidden_size=32", "model.intermediate_size=64", *overrides))
+
+
+def _train_cli(tmp_path, name: str, launcher: list[str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(
+        [*launcher, "-m", "magi_integrations.train", "parallel.cp=2", "steps=2", "mask.seqlen=128", "dtype=float64",
+         "model.hidden_size=32", "model.intermediate_size=64", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
+    assert {"rank0.log", "rank1.log"} <= {p.name for p in run_dir.iterdir()}
+    assert "step 1 loss" in (run_dir / "rank0.log").read_text()
+    return [line for line in proc.stdout.splitlines() if line.startswith("loss ")][0]
+
+
+def test_magi_train_spawned_and_under_torchrun_give_the_same_losses(tmp_path):
+    import sys
+
+    from magi_attn.launch import free_port
+
+    spawned = _train_cli(tmp_path, "spawned", [sys.executable])
+    launched = _train_cli(tmp_path, "torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                 "2", "--master-port", str(free_port())])
+    assert spawned.split(",")[0] == launched.split(",")[0], (spawned, launched)  # "loss a -> b over 2 steps"
