@@ -67,9 +67,9 @@ def test_single_process_packed_position_ids():
         torch.testing.assert_close(p.grad, r.grad, atol=1e-10, rtol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def cp_worker(rank, world):
+def cp_worker(rank, world, loss_mode="gather"):
     from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
-    from magi_integrations.hf import attention_config, gather_logits, prepare_cp_batch
+    from magi_integrations.hf import attention_config, cp_cross_entropy, gather_logits, prepare_cp_batch
 
     ref_model, ids, ref_logits = reference()
     labels = labels_of(ids)
@@ -78,18 +78,27 @@ def cp_worker(rank, world):
     cfg = DistAttnConfig(DispatchConfig(chunk_size=4), OverlapConfig(degree=2, min_chunk_size=4), kernel_backend="torch")
     batch = prepare_cp_batch(ids, CU, cp_group=dist.group.WORLD, config=cfg, **attention_config(model.config))
     assert torch.equal(batch.labels, labels)
-    logits = gather_logits(model(**batch.model_kwargs()).logits, batch.key)
-    torch.testing.assert_close(logits, ref_logits, atol=1e-10, rtol=0)
-    loss_of(logits, batch.labels).backward()
+    if loss_mode == "gather":
+        logits = gather_logits(model(**batch.model_kwargs()).logits, batch.key)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-10, rtol=0)
+        loss_of(logits, batch.labels).backward()
+    else:  # each rank's share of the loss from its own logits; the shares sum to the mean loss
+        share = cp_cross_entropy(model(**batch.model_kwargs()).logits, batch)
+        total = share.detach().clone()
+        dist.all_reduce(total)
+        n = (labels != -100).sum()
+        torch.testing.assert_close(total, loss_of(ref_logits, labels).detach() / n, atol=1e-12, rtol=0)
+        (share * n).backward()  # the reference's backward is of the summed loss
     for (n, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
         g = p.grad.clone()
         dist.all_reduce(g)  # each CP rank holds its tokens' share of the gradient
         torch.testing.assert_close(g, r.grad, atol=1e-10, rtol=0, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
 
 
+@pytest.mark.parametrize("loss_mode", ["gather", "local"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_context_parallel_llama_matches_sdpa(world):
-    run_distributed(cp_worker, world)
+def test_context_parallel_llama_matches_sdpa(world, loss_mode):
+    run_distributed(cp_worker, world, loss_mode)
 
 
 def test_batch_size_error():

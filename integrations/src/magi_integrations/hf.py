@@ -101,6 +101,7 @@ class CPBatch:
     input_ids: torch.Tensor  # [1, shard]
     position_ids: torch.Tensor  # [1, shard], global positions for RoPE
     labels: torch.Tensor | None  # [1, total] global, shifted target ids (-100 = ignore)
+    local_labels: torch.Tensor | None = None  # [1, shard]: this rank's targets, dispatched like its tokens
 
     def model_kwargs(self) -> dict[str, Any]:
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "magi_key": self.key, "use_cache": False}
@@ -137,11 +138,31 @@ def prepare_cp_batch(
         input_ids=dispatch(input_ids[0], key).unsqueeze(0),
         position_ids=doc_pos[global_rows].unsqueeze(0),
         labels=labels,
+        local_labels=dispatch(labels[0], key, pad_value=-100).unsqueeze(0),
     )
 
 
+def cp_cross_entropy(logits_local: torch.Tensor, batch: CPBatch) -> torch.Tensor:
+    """This rank's share of the mean next-token loss of the whole packed sequence, from its own
+    logits ``[1, shard, V]`` and ``batch.local_labels``: memory O(shard x vocab), no logits gather.
+
+    Summed over the CP ranks it equals the mean loss of the full logits (every rank knows the
+    global number of targets, so no collective is needed), and each rank's backward gives its
+    tokens' share of the gradient, as with :func:`gather_logits`. With FSDP or DDP over dp x cp
+    ranks, scale it by ``cp`` (``DpCpMesh.loss_scale``) so their average is the mean over dp."""
+    if batch.local_labels is None or batch.labels is None:
+        raise ValueError("batch has no labels: build it with prepare_cp_batch")
+    logits = logits_local[0]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the softmax of a 16-bit vocab row loses the loss's precision
+    targets = (batch.labels != -100).sum().clamp(min=1)
+    return torch.nn.functional.cross_entropy(logits, batch.local_labels[0], ignore_index=-100, reduction="sum") / targets
+
+
 def gather_logits(logits_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
-    """``[1, shard, V]`` -> ``[1, total, V]`` in global order (differentiable)."""
+    """``[1, shard, V]`` -> ``[1, total, V]`` in global order (differentiable). Every rank then
+    holds the whole sequence's logits (O(total x vocab) memory): for the loss, use
+    :func:`cp_cross_entropy` instead."""
     return undispatch(logits_local[0], key).unsqueeze(0)
 
 

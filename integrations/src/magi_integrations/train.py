@@ -88,7 +88,7 @@ def _worker(env: WorkerEnv, cfg: TrainConfig, log_dir: str | None) -> dict[str, 
     from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
 
     from .fsdp import build_dp_cp_mesh, shard_model
-    from .hf import attention_config, gather_logits, prepare_cp_batch
+    from .hf import attention_config, cp_cross_entropy, prepare_cp_batch
 
     _log_to(log_dir, env.rank)
     p = cfg.parallel
@@ -126,15 +126,14 @@ def _worker(env: WorkerEnv, cfg: TrainConfig, log_dir: str | None) -> dict[str, 
         ids = ids.to(device)
         t0 = time.perf_counter()
         batch = prepare_cp_batch(ids, cu, cp_group=cp_group, config=acfg, **attention_config(model.config))
-        logits = gather_logits(train_model(**batch.model_kwargs()).logits, batch.key)
+        # each rank's share of its dp group's loss, from its own logits only (no [S, vocab] gather)
+        loss = cp_cross_entropy(train_model(**batch.model_kwargs()).logits, batch)
         valid = (batch.labels != -100).sum()
-        loss = torch.nn.functional.cross_entropy(
-            logits[0].float(), batch.labels[0], ignore_index=-100, reduction="sum") / valid.clamp(min=1)
         # one all-reduce gives every rank the mean loss and whether any rank had nothing to
         # predict, so all ranks stop together (before a backward that would spread a NaN)
         stats = torch.stack([loss.detach().double(), (valid == 0).double()])
         dist.all_reduce(stats)
-        mean_loss = stats[0].item() / world  # every CP rank holds its dp group's loss
+        mean_loss = stats[0].item() / p.dp  # the CP ranks' shares sum to their dp group's loss
         if stats[1].item() > 0:
             raise ValueError(f"mask.seqlen={cfg.mask.seqlen} is too short to train: at step {step} a batch has no "
                              "token whose next token is in the same document; raise mask.seqlen")
