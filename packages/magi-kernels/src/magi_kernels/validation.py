@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
+from magi_solver.mask import gc_paused
+
 from .host_cache import per_tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -97,7 +99,8 @@ def _checked_extent(st: SliceTensors) -> tuple[int, int]:
     if hit is not None:
         _CHECKED.move_to_end(digest)
         return hit
-    extent = _check_rows(table.tolist())
+    with gc_paused():
+        extent = _check_rows(table.tolist())
     _CHECKED[digest] = extent
     while len(_CHECKED) > _CHECKED_SIZE:
         _CHECKED.popitem(last=False)
