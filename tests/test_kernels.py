@@ -382,10 +382,10 @@ class TestInputErrors:
             self.call(qr=torch.tensor([[0, 8]], dtype=torch.int32, device="meta"))
 
     def test_accumulator_dtype_and_device(self):
-        o, l = self.call()
+        o, lse = self.call()
         with pytest.raises(TypeError, match="out must have q's dtype torch.float32"):
-            self.call(out=o.double(), lse=l)
+            self.call(out=o.double(), lse=lse)
         with pytest.raises(TypeError, match="lse must be torch.float32 for torch.float32 inputs"):
-            self.call(out=o, lse=l.double())
+            self.call(out=o, lse=lse.double())
         with pytest.raises(ValueError, match="out must be on q's device"):
-            self.call(out=o.to("meta"), lse=l)
+            self.call(out=o.to("meta"), lse=lse)

@@ -14,7 +14,14 @@ import torch
 
 from . import reference
 from .lse import merge_out_lse
-from .validation import SliceTensors, check_accumulators, check_qkv, check_scale_softcap, check_slice_tensors, normalize_slices
+from .validation import (
+    SliceTensors,
+    check_accumulators,
+    check_qkv,
+    check_scale_softcap,
+    check_slice_tensors,
+    normalize_slices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -235,12 +242,12 @@ def flex_flash_attn_func(
     scale, cap = check_scale_softcap(softmax_scale, softcap, q.shape[-1])
     be = resolve_backend(backend, q)
     if torch.compiler.is_compiling():  # a graph cannot read the ranges: the op checks them when it runs
-        o, l = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges)
+        o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges)
     else:
         if check_ranges:
             check_slice_tensors(st, q.shape[0], k.shape[0])
-        o, l = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be)
+        o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be)
     if out is not None:
         assert lse is not None
-        o, l = merge_out_lse(out, lse, o, l)
-    return o, l
+        o, lse_new = merge_out_lse(out, lse, o, lse_new)
+    return o, lse_new

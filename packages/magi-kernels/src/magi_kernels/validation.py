@@ -77,10 +77,10 @@ def normalize_slices(q_ranges: Any, k_ranges: Any, attn_type_map: Any) -> SliceT
 
 def check_slice_tensors(st: SliceTensors, tq: int, tk: int) -> None:
     """Every slice inside ``[0, tq) x [0, tk)`` with a known mask type, each (q, k) cell covered
-    at most once (else a ``ValueError`` naming the argument and the slice). Cached per mask: the tensors' identity and
-    in-place version (no device sync after the first call for GPU tensors), then a hash of their
-    contents (masks rebuilt from lists on every call). Only the bounds against ``tq, tk`` are
-    compared on every call."""
+    at most once (else a ``ValueError`` naming the argument and the slice). Cached per mask: the
+    tensors' identity and in-place version (no device sync after the first call for GPU tensors),
+    then a hash of their contents (masks rebuilt from lists on every call). Only the bounds
+    against ``tq, tk`` are compared on every call."""
     q_end, k_end = per_tensor(st.q_ranges, "slices_checked", lambda: _checked_extent(st), st.k_ranges,
                               st.attn_type_map)
     if q_end > tq or k_end > tk:
@@ -119,7 +119,9 @@ def _check_rows(rows: Sequence[Sequence[int]]) -> tuple[int, int]:
         if not 0 <= ks <= ke:
             raise ValueError(f"k_ranges[{i}]=[{ks}, {ke}) must satisfy 0 <= start <= end (half-open rows)")
         if t not in (0, 1, 2, 3):
-            raise ValueError(f"attn_type_map[{i}]={t} is not a mask type; use 0 full, 1 causal, 2 inv_causal, 3 bi_causal")
+            raise ValueError(
+                f"attn_type_map[{i}]={t} is not a mask type; use 0 full, 1 causal, 2 inv_causal, 3 bi_causal"
+            )
     q_end = max((r[1] for r in rows), default=0)
     k_end = max((r[3] for r in rows), default=0)
     slices = [AttnSlice(AttnRange(qs, qe), AttnRange(ks, ke), AttnMaskType(t)) for qs, qe, ks, ke, t in rows]
@@ -175,7 +177,9 @@ def check_accumulators(out: torch.Tensor | None, lse: torch.Tensor | None, q: to
     if lse.shape != q.shape[:2]:
         raise ValueError(f"lse must have shape [tokens, heads_q]={tuple(q.shape[:2])}, got {tuple(lse.shape)}")
     if lse.dtype != lse_dtype:
-        raise TypeError(f"lse must be {lse_dtype} for {q.dtype} inputs (the lse this function returns), got {lse.dtype}")
+        raise TypeError(
+            f"lse must be {lse_dtype} for {q.dtype} inputs (the lse this function returns), got {lse.dtype}"
+        )
     for name, t in (("out", out), ("lse", lse)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
