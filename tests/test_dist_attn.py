@@ -124,3 +124,103 @@ def test_api_errors():
     q = torch.randn(10, 2, 8)
     with pytest.raises(ValueError, match=r"k, v must be \[shard_seqlen, num_heads_kv, head_dim\]"):
         calc_attn(q, q, q, key)
+
+
+class TestInputErrors:
+    """Each wrong input of the top-level API gets an error that names the argument."""
+
+    def test_key_must_be_a_key(self):
+        from magi_attn import calc_attn, dispatch, undispatch
+
+        x = torch.zeros(4, 2, 8)
+        with pytest.raises(TypeError, match="calc_attn: key must be a DistAttnKey"):
+            calc_attn(x, x, x, None)
+        with pytest.raises(TypeError, match="dispatch: key must be a DistAttnKey"):
+            dispatch(x, None)
+        with pytest.raises(TypeError, match="undispatch: key must be a DistAttnKey"):
+            undispatch(x, "key")
+
+    @pytest.mark.parametrize("ws", [5, (2.5, 0), (-2, 0), (1, 2, 3), (True, 0)])
+    def test_window_size(self, ws):
+        from magi_attn import magi_attn_varlen_key
+
+        with pytest.raises(ValueError, match=r"window_size must be \(left, right\) with ints >= -1"):
+            magi_attn_varlen_key([0, 8], [0, 8], 2, 1, 8, window_size=ws)
+
+    @pytest.mark.parametrize("cu,err,match", [
+        (torch.tensor([0.0, 4.0, 8.0]), TypeError, r"cu_seqlens_q must be a 1-D int32/int64 tensor.*float32"),
+        (torch.tensor([[0, 4, 8]]), TypeError, r"cu_seqlens_q must be a 1-D int32/int64 tensor.*shape \(1, 3\)"),
+        ([0, 2.5, 8], TypeError, r"cu_seqlens_q\[1\]=2.5 is not an int"),
+        ([[0, 4, 8]], TypeError, r"cu_seqlens_q\[0\]=\[0, 4, 8\] is not an int"),
+        ([0, 5, 3], ValueError, "cu_seqlens_q must start at 0 and be non-decreasing"),
+        ([2, 5, 8], ValueError, "cu_seqlens_q must start at 0 and be non-decreasing"),
+        (torch.tensor([0, 4, 8], device="meta"), ValueError, "cu_seqlens_q is on the meta device"),
+    ])
+    def test_cu_seqlens(self, cu, err, match):
+        from magi_attn import magi_attn_varlen_key
+
+        with pytest.raises(err, match=match):
+            magi_attn_varlen_key(cu, [0, 4, 8], 2, 1, 8)
+
+    def test_scale_and_softcap(self):
+        from magi_attn import calc_attn, magi_attn_varlen_key
+
+        key = magi_attn_varlen_key([0, 8], [0, 8], 2, 1, 8, causal=True)
+        q = torch.randn(key.shard_seqlen, 2, 8)
+        k = torch.randn(key.shard_seqlen, 1, 8)
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            calc_attn(q, k, k, key, softmax_scale=float("nan"))
+        with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+            calc_attn(q, k, k, key, softcap=float("nan"))
+
+    def test_world_group_before_init_process_group(self, monkeypatch):
+        """dist.group.WORLD is None before init_process_group: in a launched rank that must not plan for one rank."""
+        from magi_attn import magi_attn_varlen_key
+
+        assert not dist.is_initialized() and dist.group.WORLD is None
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(RuntimeError, match=r"call dist.init_process_group\(...\) before building the key"):
+            magi_attn_varlen_key([0, 8], [0, 8], 2, 1, 8, cp_group=dist.group.WORLD)
+        monkeypatch.setenv("WORLD_SIZE", "1")  # a single process: cp_group=None is one rank
+        magi_attn_varlen_key([0, 8], [0, 8], 2, 1, 8, cp_group=None)
+
+
+def stale_group_worker(rank, world, store_path):
+    """A key used after its process group was destroyed, or destroyed and replaced by a new one."""
+    from magi_attn import calc_attn, dispatch, magi_attn_varlen_key
+
+    x = torch.randn(16, 2, 8)
+    sub = dist.new_group(list(range(world)))
+    sub_key = magi_attn_varlen_key([0, 16], [0, 16], 2, 2, 8, cp_group=sub, causal=True)
+    dist.destroy_process_group(sub)
+    with pytest.raises(RuntimeError, match="was destroyed or replaced .* build a new key"):
+        dispatch(x, sub_key)
+    key = magi_attn_varlen_key([0, 16], [0, 16], 2, 2, 8, cp_group=dist.group.WORLD, causal=True)
+    q = dispatch(x, key)
+    dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="was destroyed .torch.distributed is not initialized.; build a new key"):
+        calc_attn(q, q, q, key)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    with pytest.raises(RuntimeError, match="was destroyed or replaced .* build a new key"):
+        calc_attn(q, q, q, key)
+    new_key = magi_attn_varlen_key([0, 16], [0, 16], 2, 2, 8, cp_group=dist.group.WORLD, causal=True)
+    calc_attn(q, q, q, new_key)  # the new key works
+
+
+def test_key_of_a_destroyed_or_replaced_group(tmp_path):
+    run_distributed(stale_group_worker, 2, str(tmp_path / "store"))
+
+
+def test_make_mask_window_and_block():
+    from magi_attn.cli import main
+    from magi_attn.masks import make_mask
+    from magi_solver import total_area
+
+    for w in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="window must be an int >= 1"):
+            make_mask("sliding_window", 64, window=w)
+    with pytest.raises(ValueError, match="block must be an int >= 1"):
+        make_mask("varlen_block_causal", 64, block=0)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        main(["plan", "--mask", "sliding_window", "--window", "0", "--seqlen", "64", "--cp", "2"])
+    assert total_area(make_mask("sliding_window", 8, window=1)) == 8  # each query sees itself only

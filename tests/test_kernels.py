@@ -283,3 +283,109 @@ def test_forward_switches_reject_bad_values(var, monkeypatch):
     q = torch.randn(8, 2, 64)
     with pytest.raises(ValueError, match=f"{var} must be one of 'auto', '0', '1'"):
         tb._use_tma(q) if var == "MAGI_TRITON_TMA" else tb._use_gluon(q, q, q)
+
+
+OVERLAPPING = ([(0, 8), (4, 8)], [(0, 8), (2, 4)], [1, 0])  # rows 4..7 see keys 2, 3 twice
+
+
+def test_double_coverage_checked_by_default_and_valid_mask_matches_dense():
+    q, k, v = _inputs(8, 2, 1, 8, torch.float64)
+    with pytest.raises(ValueError, match=r"q_ranges, k_ranges, attn_type_map: slices 0 .* and 1 .* both cover cell"):
+        flex_flash_attn_func(q, k, v, *OVERLAPPING, backend="torch")
+    flex_flash_attn_func(q, k, v, *OVERLAPPING, backend="torch", check_ranges=False)  # the caller's promise
+    valid = [(0, 8, 0, 8, 1), (4, 8, 8, 8, 0)]  # second slice empty: covers nothing twice
+    out, lse = flex_flash_attn_func(q, k, v, [s[:2] for s in valid], [s[2:4] for s in valid], [s[4] for s in valid],
+                                    backend="torch")
+    ro, rl = dense_attention(q, k, v, dense_mask(valid, 8, 8))
+    torch.testing.assert_close(out, ro, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, rl, atol=1e-12, rtol=0)
+
+
+def test_slice_check_runs_once_per_mask(monkeypatch):
+    """Cached by tensor identity + in-place version, and by content for masks rebuilt from lists."""
+    from magi_kernels import validation
+
+    calls = []
+    real = validation._check_rows
+    monkeypatch.setattr(validation, "_check_rows", lambda rows: calls.append(len(rows)) or real(rows))
+    validation._CHECKED.clear()
+    q, k, v = _inputs(12, 2, 1, 8, torch.float64)
+    qr = torch.tensor([[0, 6], [6, 12]], dtype=torch.int32)
+    kr, tm = qr.clone(), torch.tensor([1, 1], dtype=torch.int32)
+    for _ in range(3):
+        flex_flash_attn_func(q, k, v, qr, kr, tm, backend="torch")
+    assert len(calls) == 1
+    for _ in range(2):  # new tensors each call, same contents: the content digest hits
+        flex_flash_attn_func(q, k, v, qr.tolist(), kr.tolist(), tm.tolist(), backend="torch")
+    assert len(calls) == 1
+    kr[1, 0] = 0  # in place: both slices now cover (q=6, k=0)
+    qr[0, 1] = 12
+    with pytest.raises(ValueError, match="both cover cell"):
+        flex_flash_attn_func(q, k, v, qr, kr, tm, backend="torch")
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match=r"q_ranges\[1\]=\[6, 12\) .* total_q=10"):  # bounds: every call
+        flex_flash_attn_func(q[:10], k, v, [[0, 6], [6, 12]], [[0, 6], [6, 12]], backend="torch")
+
+
+def test_torch_compile_fullgraph_with_default_checks():
+    slices, S = mask_cases()["varlen_causal"]
+    q, k, v = (t.requires_grad_() for t in _inputs(S, 2, 1, 8, torch.float32))
+    qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in ([s[:2] for s in slices], [s[2:4] for s in slices],
+                                                                [s[4] for s in slices]))
+
+    def f(q, k, v, qr, kr, tm):
+        return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="torch")[0].sum()
+
+    eager = f(q, k, v, qr, kr, tm)
+    eager_grads = torch.autograd.grad(eager, (q, k, v))
+    for compiler in ("eager", "aot_eager"):
+        g = torch.compile(f, backend=compiler, fullgraph=True)
+        compiled = g(q, k, v, qr, kr, tm)
+        torch.testing.assert_close(compiled, eager)
+        for got, want in zip(torch.autograd.grad(compiled, (q, k, v)), eager_grads):
+            torch.testing.assert_close(got, want)
+        bad = [torch.tensor(x, dtype=torch.int32) for x in OVERLAPPING]  # same shapes as a valid mask
+        with pytest.raises(ValueError, match="both cover cell"):
+            torch.compile(f, backend=compiler, fullgraph=True)(q, k, v, *bad)
+
+
+class TestInputErrors:
+    """Each wrong input gets an error that names the argument."""
+
+    def setup_method(self):
+        self.q, self.k, self.v = _inputs(8, 2, 1, 8, torch.float32)
+
+    def call(self, qr=None, kr=None, tm=None, **kw):
+        qr, kr = ([(0, 8)] if r is None else r for r in (qr, kr))
+        return flex_flash_attn_func(self.q, self.k, self.v, qr, kr, tm, backend="torch", **kw)
+
+    @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5])
+    def test_softmax_scale(self, scale):
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            self.call(softmax_scale=scale)
+
+    @pytest.mark.parametrize("cap", [float("nan"), float("inf"), -1.0])
+    def test_softcap(self, cap):
+        with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+            self.call(softcap=cap)
+
+    def test_float_ranges_are_not_truncated(self):
+        with pytest.raises(TypeError, match="q_ranges must hold integers"):
+            self.call(qr=[(0, 7.5)])
+        with pytest.raises(TypeError, match="k_ranges must hold integers"):
+            self.call(kr=torch.tensor([[0.0, 8.0]]))
+        with pytest.raises(TypeError, match="attn_type_map must be an integer tensor"):
+            self.call(tm=torch.tensor([1.0]))
+
+    def test_ranges_on_meta_device(self):
+        with pytest.raises(ValueError, match="q_ranges is on the meta device"):
+            self.call(qr=torch.tensor([[0, 8]], dtype=torch.int32, device="meta"))
+
+    def test_accumulator_dtype_and_device(self):
+        o, lse = self.call()
+        with pytest.raises(TypeError, match="out must have q's dtype torch.float32"):
+            self.call(out=o.double(), lse=lse)
+        with pytest.raises(TypeError, match="lse must be torch.float32 for torch.float32 inputs"):
+            self.call(out=o, lse=lse.double())
+        with pytest.raises(ValueError, match="out must be on q's device"):
+            self.call(out=o.to("meta"), lse=lse)

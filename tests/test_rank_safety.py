@@ -33,9 +33,9 @@ def _same_on_every_rank(message: str) -> None:
 
 def _key(rank: int, case: str, config: DistAttnConfig = DistAttnConfig(), group="world"):
     group = dist.group.WORLD if group == "world" else group
-    seq, hq, d, causal, cu = SEQ, HQ, D, True, [0, SEQ]
+    hq, d, causal, cu = HQ, D, True, [0, SEQ]
     if case == "seqlen" and rank == 1:
-        seq, cu = SEQ + 16, [0, SEQ + 16]
+        cu = [0, SEQ + 16]
     if case == "heads" and rank == 1:
         hq = 2 * HQ
     if case == "head_dim" and rank == 1:

@@ -28,6 +28,7 @@ from magi_solver import (
     varlen_slices,
 )
 from magi_solver.comm_plan import segments_with_destinations
+from magi_solver.mask import first_double_cover
 from magi_solver.overlap import group_stages, split_remote, timeline_cost
 
 
@@ -157,6 +158,27 @@ class TestBandProperties:
         except ValueError:
             ok = False
         assert ok == disjoint
+
+    @given(st.lists(st.tuples(st.integers(0, 24), st.integers(1, 6), st.integers(0, 24), st.integers(1, 6),
+                              st.integers(0, 3)), min_size=2, max_size=30))
+    @settings(max_examples=200, deadline=None)
+    def test_double_cover_sweep_matches_brute_force(self, raw):
+        """Many short slices (the sweep's pruning by key extent) plus one wide one in half the runs."""
+        slices = [AttnSlice.make((q, q + n), (k, k + m), t) for q, n, k, m, t in raw]
+        if raw[0][4] % 2:
+            slices.append(AttnSlice.make((raw[0][0], raw[0][0] + 2), (0, 30), "full"))
+        cells: dict[tuple[int, int], int] = {}
+        pairs = set()
+        for i, s in enumerate(slices):
+            for c in brute_cells([s]):
+                if c in cells:
+                    pairs.add((cells[c], i))
+                cells[c] = i
+        hit = first_double_cover(slices)
+        assert (hit is None) == (not pairs)
+        if hit is not None:
+            a, b, shared = hit
+            assert a < b and shared.area() == len(brute_cells([slices[a]]) & brute_cells([slices[b]])) > 0
 
 
 class TestBuilders:

@@ -95,7 +95,6 @@ def test_runs_that_cannot_train_stop_with_an_error(overrides, error):
 def _train_cli(tmp_path, name: str, launcher: list[str]) -> str:
     import os
     import subprocess
-    import sys
 
     run_dir = tmp_path / name
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -14,11 +13,12 @@ import torch.distributed as dist
 from magi_comm import all_gather_rows
 from magi_comm.device_index import on_device
 from magi_kernels import resolve_backend
-from magi_kernels.validation import check_qkv
+from magi_kernels.validation import check_qkv, check_scale_softcap
 from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
 from magi_solver.ranges import AttnRange
 
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
+from .checks import check_group_alive, check_not_an_uninitialized_launch, cu_seqlens_list
 from .config import DistAttnConfig
 from .dist_attn import DistAttnFunction
 from .runtime import DistAttnRuntime
@@ -83,6 +83,7 @@ def clear_cache() -> None:
 
 def _group_info(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     if cp_group is None:
+        check_not_an_uninitialized_launch()
         return 1, 0
     if not dist.is_initialized():
         raise RuntimeError("cp_group was given but torch.distributed is not initialized; call init_process_group first")
@@ -192,9 +193,8 @@ def magi_attn_varlen_key(
     dist_attn_config: DistAttnConfig = DistAttnConfig(),
 ) -> DistAttnKey:
     """Key for packed documents given by ``cu_seqlens`` (full, causal or sliding window)."""
-    cu_q = [int(x) for x in (cu_seqlens_q.tolist() if hasattr(cu_seqlens_q, "tolist") else cu_seqlens_q)]
-    cu_k = [int(x) for x in (cu_seqlens_k.tolist() if hasattr(cu_seqlens_k, "tolist") else cu_seqlens_k)]
-    slices = varlen_slices(cu_q, cu_k, causal=causal, window_size=window_size)
+    cu_q, cu_k = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q"), cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    slices = varlen_slices(cu_q, cu_k, causal=causal, window_size=window_size)  # checks cu_seqlens, window_size
     return magi_attn_flex_key(
         [s.q_range for s in slices], [s.k_range for s in slices], [s.mask_type for s in slices],
         cu_q[-1], cu_k[-1], num_heads_q, num_heads_kv, head_dim, cp_group, dist_attn_config,
@@ -205,6 +205,14 @@ def get_most_recent_key(cp_group: dist.ProcessGroup | None = None) -> DistAttnKe
     if id(cp_group) not in _MOST_RECENT:
         raise KeyError("no key was made for this cp_group yet; call magi_attn_flex_key / magi_attn_varlen_key first")
     return _MOST_RECENT[id(cp_group)]
+
+
+def _check_key(key: object, fn: str) -> None:
+    """``key`` is a :class:`DistAttnKey` whose process group is still the one it was planned for."""
+    if not isinstance(key, DistAttnKey):
+        raise TypeError(f"{fn}: key must be a DistAttnKey from magi_attn_flex_key / magi_attn_varlen_key, "
+                        f"got {type(key).__name__}")
+    check_group_alive(key.group, key.cp_size, key.cp_rank)
 
 
 def get_position_ids(key: DistAttnKey) -> torch.Tensor:
@@ -253,6 +261,7 @@ class _Undispatch(torch.autograd.Function):
 def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch.Tensor:
     """This rank's tokens of a global sequence-major tensor ``[total_seqlen, ...]`` (the same on
     every rank), padded and permuted as planned. Backward all-gathers the gradient."""
+    _check_key(key, "dispatch")
     if x.shape[0] != key.total_seqlen:
         raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen), got {x.shape[0]}")
     return _Dispatch.apply(x, key.runtime, pad_value)
@@ -260,6 +269,7 @@ def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch
 
 def undispatch(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     """Inverse of :func:`dispatch`: gather every rank's shard and restore global order (unpadded)."""
+    _check_key(key, "undispatch")
     rt = key.runtime
     if x_local.shape[0] != rt.shard_seqlen:
         raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (shard_seqlen), got {x_local.shape[0]}")
@@ -280,6 +290,7 @@ def calc_attn(
     Returns local ``out`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs). Differentiable
     w.r.t. q, k, v; the backward runs the same multi-stage pipeline with GroupReduce of dK/dV.
     """
+    _check_key(key, "calc_attn")
     check_qkv(q, k, v)
     rt = key.runtime
     expect_q = (rt.shard_seqlen, key.num_heads_q, key.head_dim)
@@ -288,10 +299,8 @@ def calc_attn(
         raise ValueError(f"q must be [shard_seqlen, num_heads_q, head_dim]={expect_q} for this key, got {tuple(q.shape)}")
     if tuple(k.shape) != expect_k:
         raise ValueError(f"k, v must be [shard_seqlen, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be a finite value >= 0, got {softcap}")
-    scale = 1.0 / math.sqrt(key.head_dim) if softmax_scale is None else float(softmax_scale)
+    scale, cap = check_scale_softcap(softmax_scale, softcap, key.head_dim)
     backend = resolve_backend(key.config.kernel_backend, q)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    _check_call(rt, q, scale, float(softcap), backend, needs_grad)
-    return DistAttnFunction.apply(q, k, v, rt, scale, float(softcap), backend)
+    _check_call(rt, q, scale, cap, backend, needs_grad)
+    return DistAttnFunction.apply(q, k, v, rt, scale, cap, backend)

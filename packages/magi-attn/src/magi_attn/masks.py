@@ -12,6 +12,7 @@ from magi_solver import (
     shared_prefix_slices,
     varlen_slices,
 )
+from magi_solver.mask_builders import check_positive_int
 
 MASKS = (
     "full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal", "shared_prefix",
@@ -51,9 +52,14 @@ def cu_seqlens_of(lengths: list[int]) -> list[int]:
 
 
 def make_mask(name: str, total: int, *, window: int = 1024, block: int = 1024, seed: int = 0) -> list[AttnSlice]:
-    """Slices of a named mask over ``total`` tokens."""
+    """Slices of a named mask over ``total`` tokens. ``window``: the keys each query of
+    ``sliding_window`` sees, itself included (>= 1); ``block``: the block of ``varlen_block_causal``."""
     if name not in MASKS:
         raise ValueError(f"unknown mask {name!r}; choose one of {MASKS}")
+    if name == "sliding_window":
+        check_positive_int(window, "window", "the keys each query sees, itself included")
+    if name == "varlen_block_causal":
+        check_positive_int(block, "block", "tokens per block")
     if name == "full":
         return full_slices(total)
     if name == "causal":

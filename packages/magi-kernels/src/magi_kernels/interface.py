@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any
 
 import torch
 
 from . import reference
 from .lse import merge_out_lse
-from .validation import check_accumulators, check_qkv, check_slices_host, normalize_slices
+from .validation import (
+    SliceTensors,
+    check_accumulators,
+    check_qkv,
+    check_scale_softcap,
+    check_slice_tensors,
+    normalize_slices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +83,13 @@ def _host_slices(qr: torch.Tensor, kr: torch.Tensor, tm: torch.Tensor) -> list[t
 def ffa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor,
-    softmax_scale: float, softcap: float, backend: str, acc_out: bool = False,
+    softmax_scale: float, softcap: float, backend: str, acc_out: bool = False, check_ranges: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (q's dtype, or the fp32/fp64 accumulator dtype with ``acc_out``) and lse."""
+    """Returns out (q's dtype, or the fp32/fp64 accumulator dtype with ``acc_out``) and lse.
+    ``check_ranges`` validates the slices first (cached per mask): a ``torch.compile`` graph
+    cannot read the ranges, so ``flex_flash_attn_func`` checks them here, when the op runs."""
+    if check_ranges:
+        check_slice_tensors(SliceTensors(q_ranges, k_ranges, attn_type_map), q.shape[0], k.shape[0])
     return _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out)
 
 
@@ -94,7 +104,7 @@ def _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, sof
 
 
 @ffa_fwd.register_fake
-def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False):
+def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False, check_ranges=False):
     out_dtype = reference.acc_dtype(q.dtype) if acc_out else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=reference.acc_dtype(q.dtype))
 
@@ -157,7 +167,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     if dlse is None:
         dlse = torch.zeros_like(lse)
     dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, qr, kr, tm, ctx.scale, ctx.softcap, ctx.backend)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 ffa_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -213,7 +223,11 @@ def flex_flash_attn_func(
             head_dim 128 its forward may read up to 127 rows of k/v past the end of a slice's
             k_range (with weight 0): those rows must be finite (NaN/inf there gives NaN rows);
             ``MAGI_GLUON_FWD=0`` selects a forward that never reads them.
-        check_ranges: validate ranges on the host (a device sync when the ranges live on the GPU).
+        check_ranges: validate the slices: inside the tensors, known mask types, and no (q, k)
+            cell covered twice (the solver's check, ``magi_solver.validate_slices``). Cached per
+            mask, by the range tensors' identity and in-place version and else by a hash of their
+            contents, so repeated calls cost a lookup; the first call with GPU range tensors
+            syncs the device once. Under ``torch.compile`` the check runs when the op runs.
             Ranges given as lists or CPU tensors cost no device sync at all: the GPU backend
             uploads the tile tables once and caches them.
 
@@ -225,16 +239,15 @@ def flex_flash_attn_func(
     check_qkv(q, k, v)
     check_accumulators(out, lse, q)
     st = normalize_slices(q_ranges, k_ranges, attn_type_map)
-    if check_ranges:
-        check_slices_host(st.q_ranges.tolist(), st.k_ranges.tolist(), st.attn_type_map.tolist(), q.shape[0], k.shape[0])
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be a finite value >= 0, got {softcap}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale, cap = check_scale_softcap(softmax_scale, softcap, q.shape[-1])
     be = resolve_backend(backend, q)
-    attn = ffa_fwd if torch.compiler.is_compiling() else _EagerFFA.apply
-    o, l = attn(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, float(softcap), be)
+    if torch.compiler.is_compiling():  # a graph cannot read the ranges: the op checks them when it runs
+        o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges)
+    else:
+        if check_ranges:
+            check_slice_tensors(st, q.shape[0], k.shape[0])
+        o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be)
     if out is not None:
         assert lse is not None
-        o, l = merge_out_lse(out, lse, o, l)
-    return o, l
-
+        o, lse_new = merge_out_lse(out, lse, o, lse_new)
+    return o, lse_new

@@ -9,10 +9,26 @@ from .ranges import AttnRange, AttnRanges
 
 
 def _check_cu(cu: Sequence[int], name: str) -> list[int]:
-    try:
-        return AttnRanges.from_cu_seqlens(cu).to_cu_seqlens()
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+    return AttnRanges.from_cu_seqlens(cu, name).to_cu_seqlens()
+
+
+def check_positive_int(value: object, name: str, meaning: str) -> int:
+    """``value`` if it is an int >= 1, else a ``ValueError`` naming ``name`` and what it means."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 ({meaning}), got {value!r}")
+    return value
+
+
+def check_window_size(window_size: object) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)``: two ints >= -1, ``-1`` = unbounded on that side."""
+    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size))
+    if not ok:
+        raise ValueError(
+            f"window_size must be (left, right) with ints >= -1 (-1 = unbounded on that side, 0 = none), "
+            f"got {window_size!r}"
+        )
+    return int(window_size[0]), int(window_size[1])
 
 
 def sliding_window_slices(
@@ -21,9 +37,7 @@ def sliding_window_slices(
     """Slices of one (q, k) block under a sliding window ``(left, right)``, bottom-right aligned
     like CAUSAL: query i sees keys ``j`` with ``i' - left <= j <= i' + right`` where
     ``i' = i + (sk - sq)``; ``-1`` means unbounded on that side. Returns at most 3 slices."""
-    left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
+    left, right = check_window_size(window_size)
     shift = k_range.end - q_range.end  # global k of the diagonal at row q is q + shift
     band = Band(
         q_range.start,
@@ -51,7 +65,7 @@ def varlen_slices(
         raise ValueError(
             f"cu_seqlens_q has {len(cu_q) - 1} documents but cu_seqlens_k has {len(cu_k) - 1}; they must match"
         )
-    left, right = window_size
+    left, right = check_window_size(window_size)
     if causal and right > 0:
         raise ValueError(f"causal=True allows no right window, got window_size={window_size}")
     if causal:
@@ -73,8 +87,7 @@ def varlen_slices(
 def block_causal_slices(cu_seqlens: Sequence[int], block_size: int) -> list[AttnSlice]:
     """Block-causal inside each document (as in video models): block i of a document sees the
     document's keys up to the end of block i. ``cu_seqlens=[0, S]`` gives the single-sequence form."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    check_positive_int(block_size, "block_size", "tokens per block")
     cu = _check_cu(cu_seqlens, "cu_seqlens")
     out = []
     for ds, de in zip(cu, cu[1:]):

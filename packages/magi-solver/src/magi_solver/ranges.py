@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
+
+
+def _as_int(x: object, name: str) -> int:
+    """``x`` as an int (Python or NumPy ints; no bools, no floats: they would be truncated)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name}={x!r} is a bool; pass an int")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}={x!r} is not an int; pass ints (int32/int64 for a tensor), "
+                        "not floats or nested lists") from None
 
 
 @dataclass(frozen=True, order=True)
@@ -66,11 +78,13 @@ class AttnRanges:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: Sequence[int]) -> "AttnRanges":
-        cu = [int(x) for x in cu_seqlens]
+    def from_cu_seqlens(cls, cu_seqlens: Sequence[int], name: str = "cu_seqlens") -> "AttnRanges":
+        """Documents ``[cu[i], cu[i+1])``; ``cu_seqlens`` must be ints starting at 0 and non-decreasing
+        (errors name the argument as ``name``)."""
+        cu = [_as_int(x, f"{name}[{i}]") for i, x in enumerate(cu_seqlens)]
         if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(
-                f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}{'...' if len(cu) > 8 else ''}"
+                f"{name} must start at 0 and be non-decreasing, got {cu[:8]}{'...' if len(cu) > 8 else ''}"
             )
         return cls(AttnRange(a, b) for a, b in zip(cu, cu[1:]))
 
