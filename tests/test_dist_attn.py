@@ -211,7 +211,7 @@ def test_key_of_a_destroyed_or_replaced_group(tmp_path):
     run_distributed(stale_group_worker, 2, str(tmp_path / "store"))
 
 
-def test_make_mask_window_and_block():
+def test_make_mask_window_and_block(capsys):
     from magi_attn.cli import main
     from magi_attn.masks import make_mask
     from magi_solver import total_area
@@ -221,6 +221,7 @@ def test_make_mask_window_and_block():
             make_mask("sliding_window", 64, window=w)
     with pytest.raises(ValueError, match="block must be an int >= 1"):
         make_mask("varlen_block_causal", 64, block=0)
-    with pytest.raises(ValueError, match="window must be an int >= 1"):
+    with pytest.raises(SystemExit) as exit_:  # the CLI refuses it before planning
         main(["plan", "--mask", "sliding_window", "--window", "0", "--seqlen", "64", "--cp", "2"])
+    assert exit_.value.code == 2 and "--window: must be a positive integer" in capsys.readouterr().err
     assert total_area(make_mask("sliding_window", 8, window=1)) == 8  # each query sees itself only
