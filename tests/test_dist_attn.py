@@ -32,27 +32,33 @@ def _config(spec):
                           kernel_backend="torch", **spec.get("comm", {}))
 
 
-def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0):
+def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0, sink_shape=None, dv=D):
+    """``sink_shape``: learnable sinks of that shape (their gradient summed over the ranks);
+    ``dv``: the value head dim (MLA-like when it differs from D)."""
     from magi_attn import calc_attn, dispatch, magi_attn_flex_key, undispatch
     from magi_kernels.testing import dense_attention, dense_mask
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}:{cfg_name}".encode()))
-    q, k, v = (torch.randn(S, h, D, generator=gen, dtype=torch.float64) for h in (HQ, HK, HK))
-    g_out = torch.randn(S, HQ, D, generator=gen, dtype=torch.float64)
+    q, k = (torch.randn(S, h, D, generator=gen, dtype=torch.float64) for h in (HQ, HK))
+    v = torch.randn(S, HK, dv, generator=gen, dtype=torch.float64)
+    sink = None if sink_shape is None else torch.randn(sink_shape, generator=gen, dtype=torch.float32)
+    g_out = torch.randn(S, HQ, dv, generator=gen, dtype=torch.float64)
     g_lse = torch.randn(S, HQ, generator=gen, dtype=torch.float64)
     key = magi_attn_flex_key(
         [s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], S, S, HQ, HK, D,
         group, _config(CONFIGS[cfg_name]),
     )
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
-    out_l, lse_l = calc_attn(dispatch(qd, key), dispatch(kd, key), dispatch(vd, key), key, softcap=softcap)
+    sd = None if sink is None else sink.clone().requires_grad_()
+    out_l, lse_l = calc_attn(dispatch(qd, key), dispatch(kd, key), dispatch(vd, key), key, softcap=softcap, sink=sd)
     out, lse = undispatch(out_l, key), undispatch(lse_l, key)
     finite = torch.isfinite(lse)
     loss = (out * g_out).sum() + torch.where(finite, lse * g_lse, 0).sum()
     loss.backward()
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = dense_attention(qr, kr, vr, dense_mask(slices, S, S), softcap=softcap)
+    sr = None if sink is None else sink.double().requires_grad_()
+    ref_out, ref_lse = dense_attention(qr, kr, vr, dense_mask(slices, S, S), softcap=softcap, sink=sr)
     ref_finite = torch.isfinite(ref_lse)
     ref_loss = (ref_out * g_out).sum() + torch.where(ref_finite, ref_lse * g_lse, 0).sum()
     ref_loss.backward()
@@ -63,6 +69,12 @@ def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0):
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=TOL, rtol=0, msg=lambda m: f"{where} lse: {m}")
     for n, a, b in (("dq", qd.grad, qr.grad), ("dk", kd.grad, kr.grad), ("dv", vd.grad, vr.grad)):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m, n=n: f"{where} {n}: {m}")
+    if sink is not None:  # each rank holds its rows' share of the (replicated) sink's gradient
+        dsink = sd.grad.double()
+        if group is not None:
+            dist.all_reduce(dsink, group=group)
+        assert sd.grad.dtype == torch.float32
+        torch.testing.assert_close(dsink, sr.grad, atol=1e-5, rtol=1e-6, msg=lambda m: f"{where} dsink: {m}")
 
 
 def run_all_cases(rank, world, cfg_names):
@@ -71,6 +83,17 @@ def run_all_cases(rank, world, cfg_names):
         for name, (slices, S) in mask_cases().items():
             check_case(name, slices, S, cfg_name, group, rank)
     check_case("mixed_overlapping_softcap", *mask_cases()["mixed_overlapping"], "degree1", group, rank, softcap=2.0)
+    check_features(rank, group)
+
+
+def check_features(rank, group):
+    """Sinks (per head, and several sink tokens) over multi-stage merges, and a value head dim
+    wider and narrower than the query/key head dim (MLA), against float64 dense."""
+    cases = mask_cases()
+    check_case("sink_per_head", *cases["varlen_block_causal"], "degree3", group, rank, sink_shape=(HQ,))
+    check_case("sink_tokens", *cases["mixed_overlapping"], "degree1", group, rank, sink_shape=(3, HQ), softcap=2.0)
+    check_case("wide_v", *cases["varlen_block_causal"], "degree3", group, rank, dv=12)
+    check_case("narrow_v_sink", *cases["mixed_overlapping"], "no_overlap", group, rank, dv=4, sink_shape=(HQ,))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -82,6 +105,7 @@ def test_distributed_matches_dense_reference(world):
 def test_single_rank_without_process_group():
     for name, (slices, S) in mask_cases().items():
         check_case(name, slices, S, "degree1", None, 0)
+    check_features(0, None)
 
 
 def bf16_worker(rank, world):
@@ -122,7 +146,7 @@ def test_api_errors():
         magi_attn_varlen_key([0, 4], [0, 4], 2, 1, 8, cp_group=object())
     key = magi_attn_varlen_key([0, 10], [0, 10], 2, 1, 8, causal=True)
     q = torch.randn(10, 2, 8)
-    with pytest.raises(ValueError, match=r"k, v must be \[shard_seqlen, num_heads_kv, head_dim\]"):
+    with pytest.raises(ValueError, match=r"k must be \[shard_seqlen, num_heads_kv, head_dim\]"):
         calc_attn(q, q, q, key)
 
 

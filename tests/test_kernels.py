@@ -389,3 +389,55 @@ class TestInputErrors:
             self.call(out=o, lse=lse.double())
         with pytest.raises(ValueError, match="out must be on q's device"):
             self.call(out=o.to("meta"), lse=lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sink_shape,dv", [((4,), 16), ((2, 4), 16), (None, 8), (None, 24), ((4,), 12)])
+def test_sinks_and_value_head_dim_match_dense(sink_shape, dv, dtype):
+    """Learnable sinks ([hq] or several sink tokens) join every row's softmax with no value, and
+    a value head dim other than q/k's (MLA) is exact; out, lse and every gradient (the sink's
+    included) against float64 dense."""
+    slices, S = mask_cases()["mixed_overlapping"]
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(S, h, 16, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for h in (4, 2))
+    v = torch.randn(S, 2, dv, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    sink = None if sink_shape is None else torch.randn(sink_shape, generator=g).requires_grad_()
+    out, lse = flex_flash_attn_func(q, k, v, [s[:2] for s in slices], [s[2:4] for s in slices],
+                                    [s[4] for s in slices], softcap=1.5, backend="torch", sink=sink)
+    assert out.shape == (S, 4, dv) and out.dtype == dtype
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    g_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    fin = torch.isfinite(lse)
+    ((out.double() * g_out).sum() + torch.where(fin, lse.double() * g_lse, 0).sum()).backward()
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_sink = None if sink is None else sink.detach().double().requires_grad_()
+    ro, rl = dense_attention(*ref_in, dense_mask(slices, S, S), softcap=1.5, sink=ref_sink)
+    rfin = torch.isfinite(rl)
+    ((ro * g_out).sum() + torch.where(rfin, rl * g_lse, 0).sum()).backward()
+    tol = TOLS[dtype]
+    assert torch.equal(fin, rfin)
+    if sink is not None:
+        assert fin.all()  # rows that see no key still have the sink in their denominator
+    torch.testing.assert_close(out.double(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double()[fin], rl[fin], atol=tol, rtol=tol)
+    for name, a, b in zip("qkv", (q, k, v), ref_in):
+        torch.testing.assert_close(a.grad.double(), b.grad, atol=tol * 4, rtol=tol * 4, msg=lambda m, n=name: f"d{n}: {m}")
+    if sink is not None:
+        assert sink.grad.dtype == torch.float32  # the parameter's dtype: fp32 rounding at least
+        stol = max(tol, TOLS[torch.float32])
+        torch.testing.assert_close(sink.grad.double(), ref_sink.grad, atol=stol * 4, rtol=stol * 4)
+
+
+def test_sink_and_value_head_dim_errors():
+    q, k, v = _inputs(8, 4, 2, 16, torch.float32)
+    r = [(0, 8)]
+    with pytest.raises(ValueError, match=r"sink must be \[heads_q\]=4"):
+        flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=torch.zeros(3))
+    with pytest.raises(ValueError, match="sink holds a NaN"):
+        flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=torch.full((4,), float("nan")))
+    with pytest.raises(TypeError, match="sink must be a float tensor"):
+        flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="q and k must share it"):
+        flex_flash_attn_func(q, k[..., :8], v, r, r, backend="torch")
+    with pytest.raises(ValueError, match=r"k and v must have the same \[tokens, heads_kv\]"):
+        flex_flash_attn_func(q, k, v[:4], r, r, backend="torch")

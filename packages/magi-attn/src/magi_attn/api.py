@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from magi_comm import all_gather_rows
 from magi_comm.device_index import on_device
-from magi_kernels import resolve_backend
+from magi_kernels import apply_sink, check_sink, common_head_dim, pad_head_dim, resolve_backend
 from magi_kernels.validation import check_qkv, check_scale_softcap
 from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
 from magi_solver.ranges import AttnRange
@@ -149,7 +149,7 @@ def magi_attn_flex_key(
 
 _KEY_CHECK = ("key (mask, sizes, heads, head dim, config); every rank of cp_group must create it, and a rank "
               "that passed cp_group=None or skipped the call leaves the others waiting")
-_CALL_CHECK = "calc_attn call (dtype, device, softmax_scale, softcap, kernel backend, autograd)"
+_CALL_CHECK = "calc_attn call (dtype, device, softmax_scale, softcap, kernel backend, autograd, v head dim, sink)"
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -164,10 +164,10 @@ def _key_fields(key: DistAttnKey) -> list[Field]:
 
 
 def _check_call(rt: DistAttnRuntime, q: torch.Tensor, scale: float, softcap: float, backend: str,
-                needs_grad: bool) -> None:
+                needs_grad: bool, value_head_dim: int, sink_shape: tuple[int, ...] | None) -> None:
     """Agree across ranks on what a calc_attn call runs with; checked on the first call and again
     whenever a value changes (in a correct program every rank changes it in the same call)."""
-    call = (q.dtype, q.device.type, scale, softcap, backend, needs_grad)
+    call = (q.dtype, q.device.type, scale, softcap, backend, needs_grad, value_head_dim, sink_shape)
     if rt.group is None or rt.plan.cp_size == 1 or rt.agreed_call == call:
         return
     fields = [
@@ -175,6 +175,7 @@ def _check_call(rt: DistAttnRuntime, q: torch.Tensor, scale: float, softcap: flo
         Field("softmax_scale", digest(scale), digest=True), Field("softcap", digest(softcap), digest=True),
         Field("kernel backend", digest(backend), digest=True),
         labelled("autograd (a backward will run)", str(needs_grad), ("False", "True")),
+        Field("v head_dim", value_head_dim), Field("sink (shape, or none)", digest(sink_shape), digest=True),
     ]
     check_agreement(fields, rt.group, rt.config.comm_timeout_s, _CALL_CHECK)
     rt.agreed_call = call
@@ -284,23 +285,38 @@ def calc_attn(
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distributed attention on dispatched ``q [shard, hq, d]``, ``k, v [shard, hk, d]``.
+    """Distributed attention on dispatched ``q [shard, hq, d]``, ``k [shard, hk, d]`` and
+    ``v [shard, hk, dv]`` (``dv != d``, as in MLA, runs zero-padded to the wider head dim: exact,
+    at the padded cost; see ``magi_kernels.head_features``).
 
-    Returns local ``out`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs). Differentiable
-    w.r.t. q, k, v; the backward runs the same multi-stage pipeline with GroupReduce of dK/dV.
+    ``sink``: learnable attention sinks, ``[hq]`` (or ``[sink_tokens, hq]``) fp32 logits that join
+    every row's softmax denominator with no value (GPT-OSS); applied once per row after all
+    stages are merged. Replicated parameter: its gradient here covers this rank's rows.
+
+    Returns local ``out [shard, hq, dv]`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs).
+    Differentiable w.r.t. q, k, v and sink; the backward runs the same multi-stage pipeline with
+    GroupReduce of dK/dV.
     """
     _check_key(key, "calc_attn")
     check_qkv(q, k, v)
+    check_sink(sink, q)
     rt = key.runtime
     expect_q = (rt.shard_seqlen, key.num_heads_q, key.head_dim)
     expect_k = (rt.shard_seqlen, key.num_heads_kv, key.head_dim)
     if tuple(q.shape) != expect_q:
         raise ValueError(f"q must be [shard_seqlen, num_heads_q, head_dim]={expect_q} for this key, got {tuple(q.shape)}")
     if tuple(k.shape) != expect_k:
-        raise ValueError(f"k, v must be [shard_seqlen, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
+        raise ValueError(f"k must be [shard_seqlen, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
     scale, cap = check_scale_softcap(softmax_scale, softcap, key.head_dim)
     backend = resolve_backend(key.config.kernel_backend, q)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    _check_call(rt, q, scale, cap, backend, needs_grad)
-    return DistAttnFunction.apply(q, k, v, rt, scale, cap, backend)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))
+    _check_call(rt, q, scale, cap, backend, needs_grad, v.shape[-1], None if sink is None else tuple(sink.shape))
+    dv, d = v.shape[-1], common_head_dim(q, v)
+    out, lse = DistAttnFunction.apply(*(pad_head_dim(t, d) for t in (q, k, v)), rt, scale, cap, backend)
+    if dv != d:
+        out = out[..., :dv]
+    if sink is not None:
+        out, lse = apply_sink(out, lse, sink)
+    return out, lse

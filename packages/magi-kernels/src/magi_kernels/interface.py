@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import reference
+from .head_features import apply_sink, check_sink, common_head_dim, pad_head_dim
 from .lse import merge_out_lse
 from .validation import (
     SliceTensors,
@@ -204,12 +205,16 @@ def flex_flash_attn_func(
     lse: torch.Tensor | None = None,
     backend: str = "auto",
     check_ranges: bool = True,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a list of slices ``(q_range, k_range, mask_type)``.
 
     Args:
-        q: ``[total_q, heads_q, head_dim]``; k, v: ``[total_k, heads_kv, head_dim]`` with
-            ``heads_q % heads_kv == 0`` (GQA). Any float dtype on CPU; fp16/bf16 for the GPU kernel.
+        q: ``[total_q, heads_q, head_dim]``; k: ``[total_k, heads_kv, head_dim]``; v:
+            ``[total_k, heads_kv, v_head_dim]`` with ``heads_q % heads_kv == 0`` (GQA). A
+            ``v_head_dim`` other than ``head_dim`` (MLA) runs zero-padded to the wider one (exact;
+            costs the padded flops, see ``magi_kernels.head_features``). Any float dtype on CPU;
+            fp16/bf16 for the GPU kernel.
         q_ranges, k_ranges: ``[N, 2]`` int32 tensors (or lists / ``AttnRanges``) of half-open
             ranges in the tensors' own row coordinates. q ranges may overlap; a (q, k) cell must be
             covered by at most one slice.
@@ -230,24 +235,36 @@ def flex_flash_attn_func(
             syncs the device once. Under ``torch.compile`` the check runs when the op runs.
             Ranges given as lists or CPU tensors cost no device sync at all: the GPU backend
             uploads the tile tables once and caches them.
+        sink: learnable attention sinks, ``[heads_q]`` (or ``[sink_tokens, heads_q]``) logits that
+            join every row's softmax denominator with no value (GPT-OSS); fp32 recommended.
+            Applied to the final result, after merging with ``out``/``lse``: when chaining
+            partial results, pass it to the last call only.
 
     Returns:
-        ``(out, lse)``: out ``[total_q, heads_q, head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
-        in fp32 (fp64 for fp64 inputs), natural log, scale included. Rows that see no key have
-        ``out = 0`` and ``lse = -inf``. Differentiable w.r.t. q, k, v (and out/lse if given).
+        ``(out, lse)``: out ``[total_q, heads_q, v_head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
+        in fp32 (fp64 for fp64 inputs), natural log, scale (and sink) included. Rows that see no
+        key have ``out = 0`` and ``lse = -inf`` (``lse = sink`` with a sink). Differentiable
+        w.r.t. q, k, v, sink (and out/lse if given).
     """
     check_qkv(q, k, v)
-    check_accumulators(out, lse, q)
+    check_accumulators(out, lse, q, v.shape[-1])
+    check_sink(sink, q)
     st = normalize_slices(q_ranges, k_ranges, attn_type_map)
     scale, cap = check_scale_softcap(softmax_scale, softcap, q.shape[-1])
     be = resolve_backend(backend, q)
+    dv, d = v.shape[-1], common_head_dim(q, v)
+    q, k, v = (pad_head_dim(t, d) for t in (q, k, v))
     if torch.compiler.is_compiling():  # a graph cannot read the ranges: the op checks them when it runs
         o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges)
     else:
         if check_ranges:
             check_slice_tensors(st, q.shape[0], k.shape[0])
         o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be)
+    if dv != d:
+        o = o[..., :dv]
     if out is not None:
         assert lse is not None
         o, lse_new = merge_out_lse(out, lse, o, lse_new)
+    if sink is not None:
+        o, lse_new = apply_sink(o, lse_new, sink)
     return o, lse_new

@@ -33,10 +33,11 @@ def dense_mask(
 
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-    softmax_scale: float | None = None, softcap: float = 0.0,
+    softmax_scale: float | None = None, softcap: float = 0.0, sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention with a dense mask, GQA by repeating KV heads. Returns (out, lse); rows
-    without keys give out 0 and lse -inf. Differentiable."""
+    """Plain attention with a dense mask, GQA by repeating KV heads; v may have its own head dim.
+    ``sink`` (``[hq]`` or ``[n, hq]``): extra logit columns in every row's softmax with no value.
+    Returns (out, lse); rows without keys (and no sink) give out 0 and lse -inf. Differentiable."""
     hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     kk = k.repeat_interleave(hq // hk, dim=1)
@@ -45,7 +46,11 @@ def dense_attention(
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask[None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if sink is not None:  # the sink columns take part in the softmax, then are dropped
+        cols = sink.reshape(-1, hq).to(s.dtype).t()[:, None, :].expand(hq, s.shape[1], -1)
+        lse = torch.logsumexp(torch.cat([s, cols], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
     p = torch.where(mask[None], p, torch.zeros_like(p))
     out = torch.einsum("hqk,khd->qhd", p, vv)

@@ -152,26 +152,29 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same [tokens, heads_kv], got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q head_dim {q.shape[2]} differs from k head_dim {k.shape[2]}")
+        raise ValueError(f"q head_dim {q.shape[2]} differs from k head_dim {k.shape[2]}; q and k must share it "
+                         "(v may have its own head dim, e.g. MLA's 192/128)")
     hq, hk = q.shape[1], k.shape[1]
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"num_heads_q={hq} must be a multiple of num_heads_kv={hk} (GQA/MQA)")
 
 
-def check_accumulators(out: torch.Tensor | None, lse: torch.Tensor | None, q: torch.Tensor) -> None:
-    """``out``/``lse`` of a previous partial result: q's shape, dtype and device, and the lse
-    shape and dtype this function returns."""
+def check_accumulators(out: torch.Tensor | None, lse: torch.Tensor | None, q: torch.Tensor,
+                       value_head_dim: int | None = None) -> None:
+    """``out``/``lse`` of a previous partial result: shape ``[tokens, heads_q, value_head_dim]``
+    (default q's head dim), q's dtype and device, and the lse shape and dtype this function returns."""
     if (out is None) != (lse is None):
         raise ValueError("pass both out and lse to accumulate into a previous result, or neither")
     if out is None:
         return
     assert lse is not None
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if out.shape != q.shape:
-        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    expect = (*q.shape[:2], q.shape[2] if value_head_dim is None else value_head_dim)
+    if tuple(out.shape) != expect:
+        raise ValueError(f"out must have shape [tokens, heads_q, v head_dim]={expect}, got {tuple(out.shape)}")
     if out.dtype != q.dtype:
         raise TypeError(f"out must have q's dtype {q.dtype} (a previous result of this function), got {out.dtype}")
     if lse.shape != q.shape[:2]:
