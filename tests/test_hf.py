@@ -101,14 +101,6 @@ def test_context_parallel_llama_matches_sdpa(world, loss_mode):
     run_distributed(cp_worker, world, loss_mode)
 
 
-def test_batch_size_error():
-    from magi_integrations.hf import magi_attention_forward
-
-    q = torch.randn(2, 4, 8, 16)
-    with pytest.raises(ValueError, match="packed batches of size 1"):
-        magi_attention_forward(torch.nn.Module(), q, q[:, :2], q[:, :2], None)
-
-
 def test_from_pretrained_with_magi(tmp_path):
     """save_pretrained / from_pretrained(..., attn_implementation="magi") works offline."""
     from transformers import LlamaForCausalLM

@@ -1,11 +1,13 @@
 """Hugging Face Transformers backend: ``attn_implementation="magi"``.
 
-The mask lives in a magi key, not in a dense tensor: the attention function ignores
-``attention_mask`` and takes the key from the ``magi_key`` forward kwarg (HF passes unknown
-model kwargs down to attention). Without a key it derives one for this call from
-``cu_seq_lens_q`` or packed ``position_ids`` (no CP), so the backend also works unchanged as a
-plain varlen attention. With a CP group, use :func:`prepare_cp_batch` before the model and
-:func:`gather_logits` after it.
+The mask lives in a magi key, not in a dense tensor. Without context parallelism the backend
+builds the key of each call from what HF passes: the documents (``cu_seq_lens_q``, packed
+``position_ids``, or the rows of a padded batch, whose 2-D padding mask reaches it through the
+mask function :func:`register_magi` registers) and the layer's own mask (``is_causal``,
+``sliding_window`` per layer from ``config.layer_types``, chunked attention), with ``scaling``,
+``softcap`` and ``s_aux`` sinks. With a CP group, use :func:`prepare_cp_batch` before the model
+(it passes the batch's key as the ``magi_key`` kwarg) and :func:`cp_cross_entropy` after it.
+Whatever the backend cannot honour raises an error that names the feature.
 """
 
 from __future__ import annotations
@@ -18,8 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from magi_attn import DistAttnConfig, DistAttnKey, calc_attn, dispatch, get_position_ids, magi_attn_varlen_key, undispatch
+from magi_attn import (
+    DistAttnConfig,
+    DistAttnKey,
+    calc_attn,
+    dispatch,
+    get_position_ids,
+    magi_attn_flex_key,
+    magi_attn_varlen_key,
+    undispatch,
+)
 from magi_kernels.host_cache import per_tensor
+from magi_solver import varlen_slices
 
 logger = logging.getLogger(__name__)
 
@@ -33,34 +45,187 @@ def _cu_from_position_ids(position_ids: torch.Tensor) -> list[int]:
     return [0, *starts.tolist(), pos.numel()]
 
 
-def _key_for_call(module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> DistAttnKey:
-    b, hq, s, d = query.shape
-    if b != 1:
-        raise ValueError(
-            f"the magi attention backend takes packed batches of size 1 (got batch {b}); flatten documents "
-            "into one row (e.g. transformers.DataCollatorWithFlattening) and pass cu_seq_lens_q or position_ids"
-        )
-    # every layer gets the same tensor: read it on the host once per forward, not once per layer
-    cu = kwargs.get("cu_seq_lens_q")
-    pos = kwargs.get("position_ids")
-    if cu is not None:
-        cu_list = per_tensor(cu, "cu_seqlens", lambda: [int(x) for x in cu.tolist()])
-    elif pos is not None:
-        cu_list = per_tensor(pos, "packed_doc_starts", lambda: _cu_from_position_ids(pos))
-    else:
-        cu_list = [0, s]
-    causal = bool(getattr(module, "is_causal", True))
-    window = getattr(module, "sliding_window", None)
-    ws = (window - 1, 0) if (window and causal) else (-1, -1)
-    return _local_key(tuple(cu_list), hq, key.shape[1], d, causal and ws == (-1, -1), ws)
+@dataclass(frozen=True)
+class LayerMask:
+    """The attention pattern of one layer, inside each document (or padded row).
+
+    ``window``: ``(left, right)`` keys on each side (-1 = unbounded), as FlashAttention's
+    ``window_size``; ``chunk``: chunked attention (Llama4) with chunks of that many tokens,
+    counted from the start of the row (HF's ``chunked_overlay``)."""
+
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    chunk: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window == (-1, -1) and self.chunk is None
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def layer_mask(module: Any, kwargs: dict) -> LayerMask:
+    """The mask HF's own (eager / sdpa) path gives this layer, from what the model passes and
+    its config: ``is_causal`` (argument, else ``module.is_causal``), ``sliding_window``
+    (argument; ``config.layer_types`` decides which layers have one, as HF's masks do) and
+    chunked attention (``config.attention_chunk_size`` on ``chunked_attention`` layers)."""
+    causal = bool(kwargs["is_causal"]) if kwargs.get("is_causal") is not None else bool(getattr(module, "is_causal", True))
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    layer_type = layer_types[layer_idx] if layer_types is not None and layer_idx is not None else None
+    window = kwargs.get("sliding_window")
+    chunk = None
+    if layer_type == "full_attention":
+        window = None  # some models pass config.sliding_window to every layer; HF's mask has none here
+    elif layer_type == "sliding_attention":
+        if window is None:
+            window = getattr(config, "sliding_window", None)
+            if window is not None and not causal:  # HF's bidirectional mask: |i - j| <= sliding_window
+                window += 1
+        if window is None:
+            raise ValueError(f"layer {layer_idx} is a sliding_attention layer (config.layer_types) but neither the "
+                             "sliding_window argument nor config.sliding_window gives its window")
+    elif layer_type == "chunked_attention":
+        chunk = _positive_int(getattr(config, "attention_chunk_size", None), "config.attention_chunk_size")
+        window = None
+    elif layer_type is not None:
+        raise ValueError(f"the magi attention backend does not know layer type {layer_type!r} (config.layer_types"
+                         f"[{layer_idx}]); it honours full_attention, sliding_attention and chunked_attention")
+    elif getattr(config, "attention_chunk_size", None) is not None:  # no layer types: every layer is chunked
+        chunk = _positive_int(config.attention_chunk_size, "config.attention_chunk_size")
+    if chunk is not None and not causal:
+        raise ValueError("chunked attention with is_causal=False is not a mask HF defines; the magi backend refuses it")
+    if window is None:
+        return LayerMask(causal, (-1, -1), chunk)
+    w = _positive_int(window, "sliding_window")
+    # HF: causal keeps keys i - w < j <= i (w keys with itself); bidirectional |i - j| <= w - 1
+    return LayerMask(causal, (w - 1, 0) if causal else (w - 1, w - 1), None)
+
+
+def _chunked_slices(docs: tuple[tuple[int, int, int], ...], chunk: int) -> list[tuple[int, int, int, int, int]]:
+    """Causal attention inside each chunk of each document; chunks of ``chunk`` tokens counted
+    from each document's anchor, its position-0 row (``docs``: (start, end, anchor) in packed
+    coordinates), as HF's chunked mask counts them."""
+    out = []
+    for start, end, anchor in docs:
+        p = start
+        while p < end:
+            q = min(end, anchor + ((p - anchor) // chunk + 1) * chunk)
+            out.append((p, q, p, q, 1))
+            p = q
+    return out
+
+
+def mask_slices(docs: tuple[tuple[int, int, int], ...], mask: LayerMask) -> list[tuple[int, int, int, int, int]]:
+    """``(q_start, q_end, k_start, k_end, type)`` slices of ``mask`` over packed documents."""
+    if mask.chunk is not None:
+        return _chunked_slices(docs, mask.chunk)
+    cu = [0]
+    for start, end, _ in docs:
+        if start != cu[-1]:
+            raise AssertionError("documents must tile the packed sequence")
+        cu.append(end)
+    return [s.to_tuple() for s in varlen_slices(cu, cu, causal=mask.causal, window_size=mask.window)]
 
 
 @functools.lru_cache(maxsize=64)
-def _local_key(cu: tuple[int, ...], hq: int, hk: int, d: int, causal: bool, window: tuple[int, int]) -> DistAttnKey:
-    """One key per mask, shared by every layer of a forward (and by later steps with the same
-    packing), instead of re-planning at each attention call."""
-    return magi_attn_varlen_key(list(cu), list(cu), hq, hk, d, None, causal=causal, window_size=window,
-                                dist_attn_config=DistAttnConfig(kernel_backend="auto"))
+def _local_key(docs: tuple[tuple[int, int, int], ...], mask: LayerMask, hq: int, hk: int, d: int) -> DistAttnKey:
+    """One key per (documents, layer mask), shared by the layers of a forward with that mask (and
+    by later steps with the same packing), instead of re-planning at each attention call."""
+    slices = mask_slices(docs, mask)
+    total = docs[-1][1] if docs else 0
+    return magi_attn_flex_key([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], total, total,
+                              hq, hk, d, None, DistAttnConfig(kernel_backend="auto"))
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """How a ``[b, s]`` call maps to one packed sequence: ``rows`` (flat ``b*s`` indices of the
+    kept tokens, None when all are kept in order) and the packed documents."""
+
+    rows: torch.Tensor | None
+    docs: tuple[tuple[int, int, int], ...]
+
+
+def _packing(b: int, s: int, attention_mask: torch.Tensor | None, kwargs: dict) -> _Packing:
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"the magi attention backend takes a 2-D boolean padding mask [batch, seq] (HF passes it once "
+                f"register_magi() has run), got a {attention_mask.dim()}-D {attention_mask.dtype} attention_mask; "
+                "custom 4-D masks are not supported: express the mask as slices (magi_attn_flex_key)")
+        return per_tensor(attention_mask, "magi_padding", lambda: _padded_packing(attention_mask[:, -s:]))
+    if b != 1:  # no padding: every row is one sequence
+        return _Packing(None, tuple((r * s, (r + 1) * s, r * s) for r in range(b)))
+    cu = kwargs.get("cu_seq_lens_q")
+    pos = kwargs.get("position_ids")
+    if cu is not None:
+        if cu.dtype.is_floating_point or cu.dim() != 1:
+            raise TypeError(f"cu_seq_lens_q must be a 1-D integer tensor, got a {cu.dim()}-D {cu.dtype} tensor")
+        cu_list = per_tensor(cu, "cu_seqlens", lambda: [int(x) for x in cu.tolist()])
+        anchors = cu_list[:-1]  # chunks count from each document's start
+    elif pos is not None:
+        cu_list, anchors = per_tensor(pos, "packed_docs", lambda: _docs_from_position_ids(pos))
+    else:
+        cu_list, anchors = [0, s], [0]
+    if cu_list[-1] != s:
+        raise ValueError(f"cu_seq_lens_q / position_ids describe {cu_list[-1]} tokens but the call has {s}")
+    return _Packing(None, tuple((a, e, r) for a, e, r in zip(cu_list, cu_list[1:], anchors) if e > a))
+
+
+def _docs_from_position_ids(pos: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Packed documents of ``position_ids`` and each one's position-0 row: HF maps packed tokens
+    to their positions before applying a chunked mask, so chunks count from position 0."""
+    cu = _cu_from_position_ids(pos)
+    first = pos.reshape(-1)[torch.tensor(cu[:-1], dtype=torch.long, device=pos.device)].tolist()
+    return cu, [start - int(p) for start, p in zip(cu, first)]
+
+
+def _padded_packing(mask: torch.Tensor) -> _Packing:
+    """Each row's kept tokens (one contiguous run: left or right padding) become one document."""
+    b, s = mask.shape
+    m = mask.cpu()
+    lengths = m.sum(1).tolist()
+    firsts = m.int().argmax(1).tolist()
+    docs, offset = [], 0
+    for r in range(b):
+        n, first = lengths[r], firsts[r]
+        if n and not bool(m[r, first:first + n].all()):
+            raise ValueError(f"row {r} of attention_mask has padding between its tokens; the magi attention backend "
+                             "takes left or right padding (one run of tokens per row)")
+        if n:
+            docs.append((offset, offset + n, offset))
+            offset += n
+    rows = torch.nonzero(m.reshape(-1)).reshape(-1).to(mask.device)
+    return _Packing(rows, tuple(docs))
+
+
+def _check_hf_packing(hf: HFPackedSequences, packing: _Packing, chunk: int | None) -> None:
+    """Every row where HF's mask starts a sequence (or, with ``chunk``, a chunk) starts one here too."""
+    starts = {d[0] for d in packing.docs}
+    if chunk:
+        starts |= {r for a, e, anchor in packing.docs for r in range(a, e) if (r - anchor) % chunk == 0}
+    missing = [r for r in hf.starts if r not in starts]
+    if missing:
+        raise ValueError(
+            f"HF's mask sees packed sequences starting at rows {missing[:8]}, but this attention call got no "
+            "position_ids or cu_seq_lens_q that say so (this model does not pass position_ids to its attention "
+            "layers); pass cu_seq_lens_q and cu_seq_lens_k to the model (e.g. DataCollatorWithFlattening"
+            "(return_flash_attn_kwargs=True)) so the magi backend packs the documents")
+
+
+def _check_call_features(module: Any, dropout: float, kwargs: dict) -> None:
+    if dropout:
+        raise ValueError("the magi attention backend has no attention dropout; set attention_dropout=0.0 "
+                         "(or call model.eval())")
+    if kwargs.get("output_attentions"):
+        raise ValueError("the magi attention backend does not return attention weights (output_attentions=True); "
+                         "use attn_implementation='eager' to inspect them")
 
 
 def magi_attention_forward(
@@ -73,24 +238,106 @@ def magi_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention interface: q ``[b, hq, s, d]``, k/v ``[b, hk, s, d]`` -> ``[b, s, hq, d]``."""
-    if dropout:
-        raise ValueError("the magi attention backend has no attention dropout; set attention_dropout=0.0")
+    """HF attention interface: q ``[b, hq, s, d]``, k ``[b, hk, s, d]``, v ``[b, hk, s, dv]`` ->
+    ``[b, s, hq, dv]``. Honours ``scaling``, ``softcap``, ``s_aux`` (sinks), ``is_causal``,
+    ``sliding_window`` (per layer, with ``config.layer_types``), chunked attention and padding
+    masks; anything else a model asks for raises."""
+    _check_call_features(module, dropout, kwargs)
+    mask = layer_mask(module, kwargs)
+    softcap = float(kwargs.get("softcap") or 0.0)
+    sink = kwargs.get("s_aux")
+    b, hq, s, d = query.shape
+    hk = key.shape[1]
     magi_key = kwargs.get("magi_key")
-    if magi_key is None:
-        magi_key = _key_for_call(module, query, key, kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [s, h, d]
-    out, _ = calc_attn(q, k, v, magi_key, softmax_scale=scaling, softcap=float(getattr(module, "softcap", 0.0) or 0.0))
-    return out.unsqueeze(0), None
+    if magi_key is not None:  # context parallelism: the batch was dispatched by prepare_cp_batch
+        # HF's packing marker only restates the dispatched position ids: the key holds the documents
+        if not (attention_mask is None or isinstance(attention_mask, HFPackedSequences)) or b != 1:
+            raise ValueError("under context parallelism the batch must be one packed row without padding "
+                             "(prepare_cp_batch); drop attention_mask and pack the documents with cu_seqlens")
+        rows = None
+        key_for_layer = cp_layer_key(magi_key, mask)
+    else:
+        hf_packed = attention_mask if isinstance(attention_mask, HFPackedSequences) else None
+        packing = _packing(b, s, None if hf_packed else attention_mask, kwargs)
+        if hf_packed is not None:
+            _check_hf_packing(hf_packed, packing, getattr(getattr(module, "config", None), "attention_chunk_size", None))
+        rows = packing.rows
+        key_for_layer = _local_key(packing.docs, mask, hq, hk, d)
+    q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (query, key, value))  # [b*s, h, d]
+    if rows is not None:
+        q, k, v = (t.index_select(0, rows) for t in (q, k, v))
+    out, _ = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink)
+    if rows is not None:  # padding rows come back as zeros, in the caller's layout
+        out = out.new_zeros((b * s, *out.shape[1:])).index_copy(0, rows, out)
+    return out.reshape(b, s, hq, out.shape[-1]), None
+
+
+def cp_layer_key(base: DistAttnKey, mask: LayerMask) -> DistAttnKey:
+    """The key of a layer under context parallelism. The batch's key (``prepare_cp_batch``) is
+    the causal document mask; other layer masks need keys over the same dispatch."""
+    if mask == LayerMask():
+        return base
+    raise NotImplementedError(
+        f"this layer's mask ({mask}) differs from the causal document mask of the CP batch, and keys for other "
+        "masks over one dispatch are not available yet: run this model without context parallelism")
 
 
 def register_magi() -> str:
-    """Register ``"magi"`` with transformers' AttentionInterface (idempotent); returns the name.
-    Call before building the model (``from_pretrained(..., attn_implementation="magi")``)."""
+    """Register ``"magi"`` with transformers' AttentionInterface and, so that padding masks reach
+    the backend, a mask function with its AttentionMaskInterface (the 2-D padding mask, or None
+    without padding, as for FlashAttention). Idempotent; returns the name. Call before building
+    the model (``from_pretrained(..., attn_implementation="magi")``)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, magi_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, magi_padding_mask)
     return ATTN_IMPLEMENTATION
+
+
+def magi_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+                      attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: Any):
+    """HF mask function of the magi backend: the 2-D padding mask (None without padding), as for
+    FlashAttention; the pattern itself is rebuilt from the layer (:func:`layer_mask`). Refuses
+    what that would lose: a model's own mask overlay and decoding with a KV cache."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if use_vmap:
+        raise NotImplementedError(
+            "this model adds its own mask overlay (or_mask_function / and_mask_function, e.g. bidirectional "
+            "image-token blocks) to HF's attention mask; the magi attention backend cannot honour it: use "
+            "attn_implementation='sdpa' or 'flex_attention' for this model")
+    if not (isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and q_length == kv_length):
+        raise NotImplementedError("the magi attention backend runs training and prefill without a KV cache "
+                                  "(use_cache=False); decode with another attn_implementation")
+    padding = flash_attention_mask(batch_size, q_length, kv_length, attention_mask=attention_mask, **kwargs)
+    if padding is None and batch_size == 1 and q_length > 1 and kwargs.get("mask_function") is not None:
+        starts = _hf_sequence_starts(kwargs["mask_function"], q_length)
+        if starts:
+            return HFPackedSequences(starts)
+    return padding
+
+
+@dataclass(frozen=True)
+class HFPackedSequences:
+    """What the mask function hands the attention when HF found packed sequences (from
+    ``position_ids``) in an unpadded row: the rows where a new sequence starts. The attention
+    checks that it packs the same way (a model that does not pass ``position_ids`` to its
+    attention layers would otherwise attend across documents)."""
+
+    starts: tuple[int, ...]
+
+
+def _hf_sequence_starts(mask_function: Any, length: int) -> tuple[int, ...]:
+    """Rows ``q`` whose HF mask hides key ``q - 1``: sequence starts of a packed row, and chunk
+    boundaries of a chunked layer (O(length) evaluations of HF's index-based mask function). A
+    mask that hides every one (a one-key window) says nothing and gives none."""
+    q = torch.arange(1, length)
+    zero = torch.zeros_like(q)
+    sees_previous = torch.as_tensor(mask_function(zero, zero, q, q - 1)).reshape(-1)
+    if sees_previous.numel() != q.numel() or not bool(sees_previous.any()):
+        return ()
+    return tuple(q[~sees_previous].tolist())
 
 
 @dataclass

@@ -1,0 +1,148 @@
+"""attn_implementation="magi" gives HF's own reference attention, family by family: logits and
+every parameter gradient against "eager" (its softmax in float64), on one sequence, packed
+documents (by position_ids and by cu_seq_lens), and a padded batch of 2; CP on 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_distributed
+from hf_families import FAMILIES, build, float64_softmax
+
+pytest.importorskip("transformers")
+
+TOL = 1e-9
+S = 24
+CU = [0, 9, 20, 24]  # documents longer than the windows (5) and chunks (4) of the tiny models
+# Llama4 does not pass position_ids to its attention layers: packing by position_ids alone would
+# attend across documents, so the backend refuses it and asks for cu_seq_lens (that case passes)
+REFUSED = {("llama4_chunked", "packed_position_ids"): "pass cu_seq_lens_q and cu_seq_lens_k"}
+# GPT-OSS does not give position_ids to its mask functions, so its eager path attends across packed
+# documents (its flash path does not): its packed reference runs document by document instead
+# (for the others, eager on the packed row: same shapes, so the same fp32-internal rounding)
+MASKS_IGNORE_PACKING = {"gpt_oss"}
+CASES = ["one_sequence", "packed_position_ids", "packed_cu_seq_lens", "padded_batch"]
+
+
+def _inputs(case: str) -> tuple[dict, dict, torch.Tensor]:
+    """(eager kwargs, magi kwargs, [b, s] bool of the positions that count)."""
+    g = torch.Generator().manual_seed(7)
+    if case == "padded_batch":  # left padding in row 0, right padding in row 1
+        ids = torch.randint(1, 64, (2, 14), generator=g)
+        mask = torch.ones(2, 14, dtype=torch.long)
+        mask[0, :3] = 0
+        mask[1, 10:] = 0
+        kw = dict(input_ids=ids, attention_mask=mask)
+        return kw, dict(kw), mask.bool()
+    ids = torch.randint(1, 64, (1, S), generator=g)
+    if case == "one_sequence":
+        kw = dict(input_ids=ids)
+        return kw, dict(kw), torch.ones(1, S, dtype=torch.bool)
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(CU, CU[1:])])[None]
+    eager = dict(input_ids=ids, position_ids=pos)  # HF's masks detect packing from position_ids
+    magi = dict(eager)
+    if case == "packed_cu_seq_lens":
+        cu = torch.tensor(CU, dtype=torch.int32)
+        magi.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
+    return eager, magi, torch.ones(1, S, dtype=torch.bool)
+
+
+def _run(model, kwargs: dict, valid: torch.Tensor, per_document: bool = False):
+    """Logits and parameter gradients of a weighted sum of the logits. ``per_document``: run
+    each packed document on its own (the packed semantics, whatever a model's mask code does
+    with packed position_ids: GPT-OSS, for one, does not give them to its mask functions)."""
+    if per_document:
+        ids = kwargs["input_ids"]
+        logits = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(CU, CU[1:])], dim=1)
+    else:
+        logits = model(**kwargs, use_cache=False).logits
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(logits.shape, generator=g, dtype=logits.dtype) * valid[..., None]
+    (logits * weight).sum().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(name: str, case: str, logits, grads, ref_logits, ref_grads, valid) -> None:
+    torch.testing.assert_close(logits[valid], ref_logits[valid], atol=TOL, rtol=TOL,
+                               msg=lambda m: f"{name}/{case} logits: {m}")
+    assert grads.keys() == ref_grads.keys(), f"{name}/{case}: parameters with gradients differ"
+    for n, gr in ref_grads.items():
+        torch.testing.assert_close(grads[n], gr, atol=TOL, rtol=TOL, msg=lambda m, n=n: f"{name}/{case} {n}: {m}")
+
+
+def _reference(name: str, eager_kw: dict, valid: torch.Tensor, per_document: bool):
+    with float64_softmax():
+        return _run(build(name, "eager"), eager_kw, valid, per_document)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_eager(name, case):
+    fam = FAMILIES[name]
+    if not fam.causal_lm and case.startswith("packed"):
+        pytest.skip("HF's bidirectional encoder masks take no packed position_ids")
+    eager_kw, magi_kw, valid = _inputs(case)
+    if (name, case) in REFUSED:
+        with pytest.raises(ValueError, match=REFUSED[(name, case)]):
+            _run(build(name, "magi"), magi_kw, valid)
+        return
+    per_document = case.startswith("packed") and name in MASKS_IGNORE_PACKING
+    ref_logits, ref_grads = _reference(name, eager_kw, valid, per_document)
+    logits, grads = _run(build(name, "magi"), magi_kw, valid)
+    _compare(name, case, logits, grads, ref_logits, ref_grads, valid)
+
+
+def _cp_worker(rank: int, world: int, name: str) -> None:
+    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
+    from magi_integrations.hf import attention_config, cp_cross_entropy, prepare_cp_batch
+
+    eager_kw, _, valid = _inputs("packed_position_ids")
+    ids = eager_kw["input_ids"]
+    model = build(name, "magi")
+    cfg = DistAttnConfig(DispatchConfig(chunk_size=4), OverlapConfig(degree=2, min_chunk_size=4), kernel_backend="torch")
+    batch = prepare_cp_batch(ids, CU, cp_group=dist.group.WORLD, config=cfg, **attention_config(model.config))
+    share = cp_cross_entropy(model(**batch.model_kwargs()).logits, batch)
+    share.backward()
+    ref_model = build(name, "eager")
+    with float64_softmax():
+        ref_logits = torch.cat([ref_model(input_ids=ids[:, a:b], use_cache=False).logits
+                                for a, b in zip(CU, CU[1:])], dim=1)
+    n = (batch.labels != -100).sum()
+    ref = torch.nn.functional.cross_entropy(ref_logits[0], batch.labels[0], ignore_index=-100, reduction="sum") / n
+    ref.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref.detach(), atol=TOL, rtol=0)
+    for (pn, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if r.grad is None:
+            assert p.grad is None or not p.grad.any(), pn
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # each CP rank holds its tokens' share
+        torch.testing.assert_close(grad, r.grad, atol=TOL, rtol=TOL, msg=lambda m, pn=pn: f"rank {rank} {pn}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.plain])
+def test_family_under_context_parallelism(name, world):
+    run_distributed(_cp_worker, world, name)
+
+
+def test_refuses_what_it_cannot_honour():
+    model = build("llama", "magi")
+    model.train()
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model(input_ids=torch.randint(1, 64, (1, 8)), use_cache=False)
+    model = build("llama", "magi")
+    cache = model(input_ids=torch.randint(1, 64, (1, 8)), use_cache=True).past_key_values  # prefill is fine
+    with pytest.raises(NotImplementedError, match="without a KV cache"):  # decoding is not
+        model(input_ids=torch.randint(1, 64, (1, 1)), past_key_values=cache, use_cache=True)
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[0, 3] = 0
+    with pytest.raises(ValueError, match="padding between its tokens"):
+        model(input_ids=torch.randint(1, 64, (1, 8)), attention_mask=mask, use_cache=False)
