@@ -35,8 +35,10 @@ import torch
 from magi_solver.mask import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
-from .env_config import env_choice, env_config
+from .env_config import env_choice, env_config, warn_removed_switches
 from .host_cache import per_tensor, upload
+
+warn_removed_switches()  # once per process: a removed variant's switch must not look as if it took effect
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
