@@ -2,7 +2,7 @@
 # One device call: build the native extensions, then the stages named in STAGES (default: all)
 #   tests  GPU correctness tests (Triton kernels, native kernels, CUDA IPC collectives; TEST_K,
 #          TEST_WORKERS=n runs them in n pytest-xdist processes (compiles in parallel),
-#          EXTRA_TESTS=0 skips the warp-specialisation and IPC runs)
+#          EXTRA_TESTS=0 skips the IPC run)
 #   sweep  tile-config sweep of the Triton kernels (bench/sweep_tiles.py; SWEEP_SEQLEN may list several;
 #          SWEEP_WARM=1 first compiles every MAGI_SWEEP_SETS entry in parallel processes, WARM_JOBS at
 #          a time (default 6), so the timed sweep finds each kernel in Triton's cache)
@@ -13,9 +13,6 @@
 #   ncu_fwd Nsight Compute report of one magi and one cuDNN forward launch (bench/fwd_profile.py; NCU_SEQLENS,
 #          NCU_MASKS full/causal)
 #   timing the backward timed through autograd and directly, short and long windows (bench/bwd_timing_check.py)
-#   trace  per-program trace of one Gluon backward launch (bench/bwd_trace.py; TRACE_SEQLENS, TRACE_MASKS,
-#          TRACE_VARIANTS: "default" or VAR=value each): summaries in trace.jsonl, the raw records in
-#          trace_records.tgz, Gantt charts of the first variant
 # Results and logs under $OUT (gpu_clocks.csv: SM clock/power/temperature through the call, joined
 # with the bench's and the sweep's timing windows by bench/gpu_clocks.py at the end).
 set -uo pipefail
@@ -47,8 +44,6 @@ if has tests; then
     ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
   if [ "${EXTRA_TESTS:-1}" = 1 ]; then
-    # the forward's optional warp-specialised loop (MAGI_TRITON_WS=1), d=128 bf16 cases
-    MAGI_TRITON_WS=1 timeout 120 python3 -m pytest -q tests/test_triton_gpu.py -k "8-1-128-dtype0" 2>&1 | tail -1
     timeout 90 python3 -m pytest -q -rf tests/test_ipc_gpu.py 2>&1 | tail -2
   fi
 fi
@@ -80,32 +75,20 @@ if has bench; then
 fi
 has timing && timeout ${TIMING_TIMEOUT:-150} python3 bench/bwd_timing_check.py --seqlen ${TIMING_SEQLEN:-16384} \
   > $OUT/bwd_timing.jsonl 2> $OUT/bwd_timing.err && cat $OUT/bwd_timing.jsonl
-if has trace; then
-  mkdir -p /tmp/traces
-  for S in ${TRACE_SEQLENS:-16384}; do for V in ${TRACE_VARIANTS:-default}; do
-    PLOT=""; [ "$V" = "${TRACE_VARIANTS%% *}" ] && PLOT="--plot $OUT/trace_${S}.png"
-    ( [ "$V" != default ] && export "$V"; timeout ${TRACE_TIMEOUT:-120} python3 bench/bwd_trace.py --seqlen $S \
-      --masks ${TRACE_MASKS:-full causal} --variant "$V" --out /tmp/traces/trace_${S}_${V//[^A-Za-z0-9_]/_}.json \
-      $PLOT >> $OUT/trace.jsonl 2>> /tmp/trace.err ) || tail -3 /tmp/trace.err
-  done; done
-  tar czf $OUT/trace_records.tgz -C /tmp traces
-  python3 -c "import json
-for l in open('$OUT/trace.jsonl'): r=json.loads(l); print(r['seqlen'], r['mask'][:14].ljust(14), r['variant'][14:].ljust(14), 'span', r['span_us'], 'busy', r['busy'], 'head', r['head_idle'], 'tail', r['tail_idle'], 'gaps', r['gaps'], 'us/step', r['per_step_us'], 'overhead us', r['per_program_overhead_us'])"
-fi
 # the Nsight Compute binary for the ncu stages (empty if not installed)
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 if has ncu; then
-  # NCU_WALKS: MAGI_GLUON_BWD_WALK values to profile; all reports go to one file (8 files come back at most)
+  # all reports go to one file (8 files come back at most)
   if [ -z "$NCU" ]; then echo "ncu: not installed"; else
-    for S in ${NCU_SEQLENS:-16384 32768}; do for M in ${NCU_MASKS:-full}; do for W in ${NCU_WALKS:-head}; do
-      echo "=== ncu $M $S walk=$W" | tee -a $OUT/ncu.txt
-      MAGI_GLUON_BWD_WALK=$W timeout ${NCU_TIMEOUT:-120} $NCU -k regex:bwd_ws -c 1 --section SpeedOfLight \
+    for S in ${NCU_SEQLENS:-16384 32768}; do for M in ${NCU_MASKS:-full}; do
+      echo "=== ncu $M $S" | tee -a $OUT/ncu.txt
+      timeout ${NCU_TIMEOUT:-120} $NCU -k regex:bwd_ws -c 1 --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section LaunchStats python3 bench/bwd_timing_check.py --seqlen $S --masks $M --windows-ms 1 --rounds 1 \
         > /tmp/ncu_run.txt 2>&1
       cat /tmp/ncu_run.txt >> $OUT/ncu.txt
       grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issue Slots Busy" /tmp/ncu_run.txt | head -14
-    done; done; done
+    done; done
   fi
 fi
 if has ncu_fwd; then

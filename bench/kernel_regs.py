@@ -35,7 +35,7 @@ def _source(fn, ptr: dict[str, str], constexprs: dict, cls=ASTSource) -> ASTSour
     return cls(fn, sig, constexprs, attrs=aligned)
 
 
-def bwd_source(BM1=32, BN1=128, BM2=128, BN2=64, D=128, GROUP=6, DQ_MODE=0, WS=False, DO_Q=True) -> ASTSource:
+def bwd_source(BM1=32, BN1=128, BM2=128, BN2=64, D=128, GROUP=6, DQ_MODE=0, DO_Q=True) -> ASTSource:
     f32 = ("LSE2", "DELTA", "DQ", "DQD", "DK", "DV")
     ptr = {n: "*bf16" for n in ("Q", "K", "V", "DO")} | {n: "*fp32" for n in f32}
     if DQ_MODE == 2:
@@ -43,15 +43,15 @@ def bwd_source(BM1=32, BN1=128, BM2=128, BN2=64, D=128, GROUP=6, DQ_MODE=0, WS=F
     ptr |= {n: "*i32" for n in ("KV_META", "KV_TILES", "KV_MEMBERS", "Q_META", "Q_TILES", "Q_MEMBERS")}
     ptr |= {n: "i32" for n in ("n_kv", "T", "HQ")} | {n: "fp32" for n in FLOATS}
     cst = dict(GROUP=GROUP, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=D, HAS_SOFTCAP=False, ACCUM=False,
-               DO_KV=True, DO_Q=DO_Q, DQ_MODE=DQ_MODE, WS=WS)
+               DO_KV=True, DO_Q=DO_Q, DQ_MODE=DQ_MODE)
     return _source(tb._bwd_kernel, ptr, cst)
 
 
-def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True, WS=False) -> ASTSource:
+def fwd_source(BM=128, BN=128, D=128, GROUP=6, TMA=True) -> ASTSource:
     desc = f"tensordesc<bf16[{BN},{D}]>" if TMA else "*bf16"
     ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KD": desc, "VD": desc, "O": "*bf16", "LSE": "*fp32",
            "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "HQ": "i32"} | {n: "fp32" for n in FLOATS[1:]}
-    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, HAS_SOFTCAP=False, ACCUM=False, TMA=TMA, WS=WS)
+    cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, HAS_SOFTCAP=False, ACCUM=False, TMA=TMA)
     return _source(tb._fwd_kernel, ptr, cst)
 
 
@@ -64,8 +64,8 @@ def _gluon_desc(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> st
     return f"tensordesc<{name}[{rows},{cols}],{shared_layout(rows, cols, dtype)!r}>"
 
 
-def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=True, JOIN=True, KV_MAJOR=True,
-                     PERSIST=False, HAS_SOFTCAP=False, ACCUM=False) -> ASTSource:
+def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=True, HAS_SOFTCAP=False,
+                     ACCUM=False) -> ASTSource:
     """The warp-specialised Gluon forward (``magi_kernels.gluon_fwd``) with the bench's
     specialisation."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -76,37 +76,30 @@ def gluon_fwd_source(BN=128, D=128, GROUP=6, STAGES=2, BM=128, PARTS=2, PING=Tru
            "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "QUEUE": "*i32", "HQ": "i32",
            "N_TILES": "i32"} | {n: "fp32" for n in FLOATS[1:]}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=HAS_SOFTCAP, ACCUM=ACCUM, PARTS=PARTS,
-               PING=PING, JOIN=JOIN, KV_MAJOR=KV_MAJOR, PERSIST=PERSIST)
+               PING=PING)
     return _source(gf._fwd_ws_kernel, ptr, cst, GluonASTSource)
 
 
-def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, DQ_FIRST=0, KQ=None, BLOCK_WALK=0,
-                     REVERSE=0, PIECE_TMA=0, DS_SYNC=None, TRACE=0) -> ASTSource:
+def gluon_bwd_source(BN=128, D=128, GROUP=6, STAGES=None, BM=64, ROTATE=True, PIECE_TMA=0) -> ASTSource:
     """The warp-specialised Gluon backward (``magi_kernels.gluon_bwd``) with the bench's
-    specialisation; ``KQ``, ``STAGES`` and ``DS_SYNC`` left out are the library's defaults
-    (key-major scores, its ring depth, its dS exchange), so a bare ``gluon_bwd`` argument
-    reports the kernel that runs."""
+    specialisation; ``STAGES`` left out is the library's ring depth, so a bare ``gluon_bwd``
+    argument reports the kernel that runs."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from magi_kernels import gluon_bwd as gb
 
-    if KQ is None:
-        KQ = int(gb._scores() == "kq")
     if STAGES is None:
-        STAGES = gb.default_config(D, bool(KQ))[2]
-    if DS_SYNC is None:
-        DS_SYNC = gb._ds_sync()
+        STAGES = gb.CONFIGS[D][2]
 
     ptr = {"q_desc": _gluon_desc(BM, D), "k_desc": _gluon_desc(BN, D), "v_desc": _gluon_desc(BN, D),
            "do_desc": _gluon_desc(BM, D), "dq_desc": _gluon_desc(BM, D // 2, torch.float32),
            "dk_desc": _gluon_desc(BN // 2, D // 2, torch.float32),
            "dv_desc": _gluon_desc(BN // 2, D // 2, torch.float32), "DK": "*fp32", "DV": "*fp32", "LSE2": "*fp32",
            "DELTA": "*fp32", "META": "*i32", "TILES": "*i32", "MEMBERS": "*i32", "ORDER": "*i32", "N_TILES": "i32", "T": "i32",
-           "HQ": "i32", "TRACE_BUF": "*i64"}
+           "HQ": "i32"}
     ptr |= {n: "fp32" for n in FLOATS}
     cst = dict(GROUP=GROUP, BM=BM, BN=BN, D=D, STAGES=STAGES, HAS_SOFTCAP=False, ACCUM=False, ROTATE=ROTATE,
-               DQ_FIRST=DQ_FIRST, KQ=KQ, BLOCK_WALK=BLOCK_WALK, REVERSE=REVERSE, PIECE_TMA=PIECE_TMA,
-               DS_SYNC=DS_SYNC, TRACE=TRACE)
+               PIECE_TMA=PIECE_TMA)
     return _source(gb._bwd_ws_kernel, ptr, cst, GluonASTSource)
 
 

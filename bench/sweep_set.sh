@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call: several tile sweeps in a row, one per line of $SWEEPS:
 #   "<env assignments> | <MAGI_SWEEP value> | <masks>"
-# e.g. "MAGI_TRITON_DQ=tma | MAGI_TRITON_BWD_WS=0;1 | full varlen_causal". Rows go to $OUT/sweeps.jsonl
+# e.g. "MAGI_TRITON_DQ=tma | MAGI_TRITON_BWD_CFG=64,128,8,3;64,128,8,2 | full varlen_causal". Rows go to $OUT/sweeps.jsonl
 # with the fixed env of their line; a summary is printed.
 set -uo pipefail
 STAGES=none bash bench/device_run.sh  # installs the packages (native extensions)

@@ -23,24 +23,18 @@ from magi_kernels import triton_backend as tb
 # is timed on the backward)
 SWEEP_FWD = {
     "MAGI_TRITON_FWD_CFG": ["128,64,8,3", "128,128,8,3", "128,64,8,4", "128,128,8,2", "64,64,4,3", "128,32,8,3"],
-    "MAGI_TRITON_WS": ["0", "1"],  # warp specialization of the forward's full-block loop
     "MAGI_TRITON_TMA": ["0", "1"],  # TMA descriptor loads of full blocks (forward)
     # the warp-specialised Gluon forward (sm90): BM,BN,STAGES,PARTS,PING; and off (Triton forward)
     "MAGI_GLUON_FWD_CFG": ["128,128,2,2,1", "128,128,2,2,0", "128,128,3,2,1", "128,128,2,1,0", "128,64,3,2,1"],
     "MAGI_GLUON_FWD": ["1", "0"],
-    "MAGI_GLUON_FWD_JOIN": ["1", "0"],  # the softmax in both branches of the partial-block test, or the mask alone
-    "MAGI_GLUON_FWD_ORDER": ["kv", "tile"],  # KV-major or tile-major launch order of the forward's programs
-    "MAGI_GLUON_FWD_PERSIST": ["0", "1"],  # one program per (tile, head), or one per SM over a queue (v16)
 }
 SWEEP_BWD = {
     "MAGI_TRITON_BWD_CFG": ["64,128,8,3", "64,128,8,2", "32,128,8,3", "64,64,4,3", "32,128,4,3", "64,64,8,3"],
     "MAGI_TRITON_DQ_CFG": ["128,64,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "64,128,8,3", "128,32,8,3"],
-    "MAGI_TRITON_BWD_FUSE": ["1", "0"],  # dK/dV and dQ programs in one launch or two
     "MAGI_TRITON_DQ": ["split", "atomic", "tma"],  # dQ programs, or dQ added by the dK/dV programs
-    # the Gluon backward's opt-in variants (v16, unmeasured when written)
+    # the Gluon backward's per-launch choices, forced
     "MAGI_GLUON_BWD_PIECES": ["0", "1", "2", "3"],  # every program as pieces of that many query heads
     "MAGI_GLUON_BWD_PIECE_ADD": ["atomic", "tma"],  # how pieces add their dK/dV
-    "MAGI_GLUON_BWD_DS_SYNC": ["mbarrier", "implied", "named"],  # the dS exchange between warpgroups
 }
 SWEEP = SWEEP_FWD | SWEEP_BWD
 SWEEP_FROM_ENV = os.environ.get("MAGI_SWEEP")  # "VAR=a;b VAR2=c" replaces the sweep

@@ -123,39 +123,17 @@ def test_gpu_clocks_reads_the_clock_inside_each_timing_window(tmp_path):
     assert json.loads(sweep_jsonl.read_text().splitlines()[0])["sm_mhz"] == 1400
 
 
-def test_backward_trace_summary_splits_sm_time_and_fits_steps():
-    """bwd_trace.summarize on a hand-made launch: 2 SMs over 100 ns; SM 0 runs programs of
-    10 and 20 steps back to back from 0 to 70 (tail 30), SM 1 runs one of 30 steps from 10 to
-    100 (head 10), so busy is 160/200; durations 25, 45, 90 for 10, 20, 30 steps are not on
-    one line, and the fit is the least-squares one."""
-    import numpy as np
-
-    bwd_trace = bench_module("bwd_trace")
-    record = [(0, 0, 0, 25), (1, 0, 25, 70), (2, 1, 10, 100)]
-    s = bwd_trace.summarize(record, [10, 20, 30])
-    assert s["span_us"] == 0.1 and s["sms"] == 2 and s["programs"] == 3
-    assert (s["busy"], s["head_idle"], s["tail_idle"], s["gaps"]) == (0.8, 0.05, 0.15, 0.0)
-    b, a = np.polyfit([10, 20, 30], [25, 45, 90], 1)
-    assert s["per_step_us"] == round(b / 1e3, 4) and s["per_program_overhead_us"] == round(a / 1e3, 2)
-    # pieces: program 1 (tile 1 of head 0) over heads [0, 3), program 2 (tile 0 of head 1) over [1, 2)
-    rec = [(1 + ((0 | 3 << 16) << 32), 0, 0, 1), (2 + ((1 | 2 << 16) << 32), 0, 0, 1)]
-    assert bwd_trace.decode_piece(rec[1][0]) == (2, 1, 2)
-    assert bwd_trace.steps_of(rec, [64, 100], 64) == [3 * 2, 1 * 1]
-    with pytest.raises(ValueError, match="MAGI_GLUON_BWD_TRACE=1"):
-        bwd_trace.summarize([], [])
-
-
 def test_sweep_sets_parse_combinations_and_pick_the_pass():
     """MAGI_SWEEP_SETS: ';'-separated settings of several variables (or 'default'), each timed
     on the forward only when all its variables are forward ones; a malformed item is an error
     naming the variable."""
     sweep_tiles = bench_module("sweep_tiles")
     sets = sweep_tiles.parse_sets("default; MAGI_GLUON_BWD_PIECES=1,MAGI_GLUON_BWD_PIECE_ADD=tma;"
-                                  "MAGI_GLUON_FWD_ORDER=tile;")
+                                  "MAGI_GLUON_FWD=0;")
     assert sets == [{}, {"MAGI_GLUON_BWD_PIECES": "1", "MAGI_GLUON_BWD_PIECE_ADD": "tma"},
-                    {"MAGI_GLUON_FWD_ORDER": "tile"}]
+                    {"MAGI_GLUON_FWD": "0"}]
     assert [sweep_tiles.set_pass(s) for s in sets] == ["bwd", "bwd", "fwd"]
-    assert sweep_tiles.set_pass({"MAGI_GLUON_FWD_ORDER": "kv", "MAGI_GLUON_BWD_PIECES": "1"}) == "bwd"
+    assert sweep_tiles.set_pass({"MAGI_TRITON_TMA": "0", "MAGI_GLUON_BWD_PIECES": "1"}) == "bwd"
     with pytest.raises(ValueError, match="MAGI_SWEEP_SETS"):
         sweep_tiles.parse_sets("MAGI_GLUON_BWD_PIECES")
 

@@ -57,42 +57,38 @@ def test_forward_inner_loops_do_not_spill(tma):
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
 
 
-@pytest.mark.parametrize("persist,max_stack", [(False, 32), (True, 80)])
-def test_gluon_forward_compiles_without_spills(persist, max_stack):
+def test_gluon_forward_compiles_without_spills():
     """The warp-specialised Gluon forward at its default config: both consumer partitions'
-    block loops free of local-memory traffic, and at most a 32-byte stack frame (the softmax in
-    both branches of the partial-block test and the KV-major program order spill a few member
-    bounds, loaded once per member outside the block loop; a larger frame would be per thread
-    of 240-register warpgroups). The persistent variant (``MAGI_GLUON_FWD_PERSIST``) also keeps
-    its tile loop's state there: 72 bytes."""
+    block loops free of local-memory traffic, and at most an 80-byte stack frame (the softmax in
+    both branches of the partial-block test and the KV-major order spill a few member bounds,
+    loaded once per member outside the block loop, and the persistent tile loop keeps its state
+    there: 72 bytes; a larger frame would be per thread of 240-register warpgroups)."""
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
     if not gf.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     bm, bn, stages, parts, ping = gf.CONFIGS[128]
-    src = kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping), PERSIST=persist)
+    src = kr.gluon_fwd_source(BM=bm, BN=bn, STAGES=stages, PARTS=parts, PING=bool(ping))
     regs, loops = kr.compile_report(src, 8 // parts, 1, maxnreg=gf.MAX_REGS)
     stack = next(int(f.split(":")[1]) for f in regs.split() if f.startswith("STACK:"))
-    assert stack <= max_stack, regs
+    assert stack <= 80, regs
     inner = _inner(loops)
     assert len(inner) == parts, inner  # one block loop per consumer partition
     assert not [lp for lp in inner if lp["ldl"] or lp["stl"]], inner
 
 
-@pytest.mark.parametrize("rotate,kq,extra", [(True, 1, {}), (False, 1, {}), (True, 0, {}), (True, 1, {"PIECE_TMA": 1}),
-                                              (True, 1, {"DS_SYNC": 0}), (True, 1, {"DS_SYNC": 2})])
-def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq, extra):
-    """The Gluon backward compiles for sm_90a with either query-block order and either score
-    orientation, both consumers' block loops issuing their 32 wgmma each; spills in those loops
-    stay at the measured level (scalar bookkeeping, v9/v10/v12 notes). A change that makes
-    ptxas serialise the wgmma (a wait after every one of them) would show as a wait after each
-    of the 32; v12's first key-major version had one extra wait, before dP^T (3 allowed + the
-    dQ-first variant's). The dK/dV reduce-adds of pieces (``PIECE_TMA``) and the dS exchanges
-    other than the default (``DS_SYNC``: mbarrier, named) compile too."""
+@pytest.mark.parametrize("rotate,extra", [(True, {}), (False, {}), (True, {"PIECE_TMA": 1})])
+def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, extra):
+    """The Gluon backward compiles for sm_90a with either query-block order, both consumers'
+    block loops issuing their 32 wgmma each; spills in those loops stay at the measured level
+    (scalar bookkeeping, v9/v10/v12 notes). A change that makes ptxas serialise the wgmma (a
+    wait after every one of them) would show as a wait after each of the 32; v12's first
+    key-major version had one extra wait, before dP^T (3 allowed). The dK/dV reduce-adds of
+    pieces (``PIECE_TMA``) compile too."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     if not gb.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    bm, bn, stages = gb.default_config(128, bool(kq))
-    src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate, KQ=kq, **extra)
+    bm, bn, stages = gb.CONFIGS[128]
+    src = kr.gluon_bwd_source(BM=bm, BN=bn, STAGES=stages, ROTATE=rotate, **extra)
     regs, loops = kr.compile_report(src, 4, 1, maxnreg=gb.MAX_REGS)
     assert int(regs.split("SHARED:")[1]) <= 227 * 1024, regs  # the sm90 limit per block
     inner = _inner(loops)
@@ -104,17 +100,10 @@ def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, kq, extra):
 # (module, switch, bad value, reader, start of the error message)
 BAD_SWITCHES = [
     ("gluon_bwd", "MAGI_GLUON_BWD_ORDER", "rows", "_order_mode", "must be 'auto', 'head', 'tile' or a positive"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_DQ_FIRST", "2", "_dq_first", "must be one of '0', '1'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_SCORES", "sq", "_scores", "must be one of 'qk', 'kq'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_WALK", "rows", "_walk", "must be one of 'head', 'block'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_SPLIT", "yes", "_split", "must be one of '0', '1'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_ROTATE", "on", "_rotate", "must be one of '0', '1'"),
     ("gluon_bwd", "MAGI_GLUON_BWD_PIECES", "two", "_pieces", "must be 'auto', 0 or a divisor of the GQA group"),
     ("gluon_bwd", "MAGI_GLUON_BWD_PIECE_ADD", "red", "_piece_add", "must be one of 'auto', 'atomic', 'tma'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_DS_SYNC", "none", "_ds_sync", "must be one of 'mbarrier', 'implied', 'named'"),
-    ("gluon_fwd", "MAGI_GLUON_FWD_ORDER", "heads", "_kv_major", "must be one of 'kv', 'tile', got 'heads'"),
-    ("gluon_fwd", "MAGI_GLUON_FWD_JOIN", "yes", "_join", "must be one of '0', '1'"),
-    ("gluon_fwd", "MAGI_GLUON_FWD_PERSIST", "on", "_persist", "must be one of '0', '1'"),
 ]
 
 
@@ -131,19 +120,10 @@ def test_gluon_env_switch_defaults_and_values(monkeypatch):
     """The measured defaults of the Gluon kernels' switches, and the values they select."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     gf = pytest.importorskip("magi_kernels.gluon_fwd")
-    assert gb._order_mode() == "auto" and not gb._dq_first() and gb._scores() == "kq"
-    assert gb._walk() == (False, False) and gb._split() and gb._rotate()
+    assert gb._order_mode() == "auto" and gb._split() and gb._rotate()
     assert gb._pieces() == "auto" and gb._piece_add() == "auto"
-    assert gb.DS_SYNCS[gb._ds_sync()] == "implied"
-    assert gf._kv_major() and gf._join() and gf._persist()
-    assert gb._config(128)[2] == gb.CONFIGS[128][2]
+    assert gb._config(128) == gb.CONFIGS[128] and gf._config(128) == gf.CONFIGS[128]
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
-    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", "block_rev")
-    monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
-    monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
-    monkeypatch.setenv("MAGI_GLUON_BWD_DS_SYNC", "mbarrier")
-    assert gb._ds_sync() == 0
-    assert gb._order_mode() == 3 and gb._walk() == (True, True)
-    assert not gf._kv_major() and not gf._join()
-    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")  # query-major: its P buffer allows 2 stages only
-    assert gb._config(128)[2] == min(gb.CONFIGS[128][2], gb.QUERY_MAJOR_STAGES)
+    monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", "0")
+    monkeypatch.setenv("MAGI_GLUON_BWD_CFG", "64,128,2")
+    assert gb._order_mode() == 3 and not gb._rotate() and gb._config(128) == (64, 128, 2)

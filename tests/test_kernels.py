@@ -441,3 +441,25 @@ def test_sink_and_value_head_dim_errors():
         flex_flash_attn_func(q, k[..., :8], v, r, r, backend="torch")
     with pytest.raises(ValueError, match=r"k and v must have the same \[tokens, heads_kv\]"):
         flex_flash_attn_func(q, k, v[:4], r, r, backend="torch")
+
+
+def test_removed_kernel_switches_warn_and_are_read_nowhere():
+    """The switches of removed kernel variants (issue 41): setting one gives one warning that
+    names it (it changes nothing any more), none set gives none, and no source file of the
+    packages reads it (only ``env_config`` lists it)."""
+    import pathlib
+    import warnings
+
+    from magi_kernels.env_config import REMOVED_SWITCHES, warn_removed_switches
+
+    with pytest.warns(UserWarning, match="MAGI_GLUON_FWD_PERSIST .*persistent.*MAGI_TRITON_BWD_FUSE") as caught:
+        found = warn_removed_switches({"MAGI_GLUON_FWD_PERSIST": "0", "MAGI_TRITON_BWD_FUSE": "0", "MAGI_LOG_LEVEL": "x",
+                                       "MAGI_GLUON_BWD_PIECES": "0"})
+    assert found == ["MAGI_GLUON_FWD_PERSIST", "MAGI_TRITON_BWD_FUSE"] and len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_removed_switches({"MAGI_GLUON_BWD_PIECES": "0", "MAGI_GLUON_FWD_ORDER": ""}) == []
+    root = pathlib.Path(__file__).parents[1] / "packages"
+    readers = {(path.name, var) for path in root.glob("*/src/**/*.py") if path.name != "env_config.py"
+               for var in REMOVED_SWITCHES if f'"{var}"' in path.read_text()}
+    assert not readers, f"removed switches still read: {sorted(readers)}"

@@ -204,22 +204,22 @@ def test_list_queues_replay_the_list_schedule(seed):
     assert finish == pytest.approx(max(po.list_schedule(costs, [0.0] * n_sms)))
 
 
-@pytest.mark.parametrize("kv_major", [True, False])
-def test_persistent_forward_queue_table(kv_major):
-    """``gluon_fwd._queue_table``: programs + 1 offsets, then every (tile, head) item of the launch
-    order once, each program's items in launch order; no more programs than SMs or items."""
+def test_persistent_forward_queue_table():
+    """``gluon_fwd._queue_table``: programs + 1 offsets, then every (tile, head) item of the
+    KV-major order once, each program's items in order; no more programs than SMs or items."""
     import torch
 
     from magi_kernels import gluon_fwd as gf
 
     work = (1000, 700, 300, 129, 0)  # visible keys per tile, descending (the tile tables' order)
     hq, group = 6, 3
-    tiles = gf.item_tiles(len(work), hq, group, kv_major)
+    tiles = gf.item_tiles(len(work), hq, group)
     assert sorted(tiles) == sorted(list(range(len(work))) * hq)
-    if kv_major:  # the tiles x group heads of the first KV head, then the second
-        assert tiles[: len(work) * group] == [t for t in range(len(work)) for _ in range(group)]
+    # the tiles x group heads of the first KV head, then the second
+    assert tiles[: len(work) * group] == [t for t in range(len(work)) for _ in range(group)]
+    assert tiles[len(work) * group:] == tiles[: len(work) * group]
     for n_sms in (1, 4, 132):
-        table, programs = gf._queue_table(work, hq, group, kv_major, 128, n_sms, torch.device("cpu"))
+        table, programs = gf._queue_table(work, hq, group, 128, n_sms, torch.device("cpu"))
         table = table.tolist()
         assert programs == min(n_sms, len(work) * hq)
         offsets, items = table[: programs + 1], table[programs + 1:]

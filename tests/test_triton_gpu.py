@@ -155,31 +155,28 @@ def test_triton_token_offsets_beyond_int32():
     assert q.grad[:lo].abs().max() == 0 and k.grad[b:].abs().max() == 0
 
 
-@pytest.mark.parametrize("cfg", ["", "128,128,2,1,0", "128,128,2,2,1", "128,128,2,2,0", "128,64,3,2,1", "join0", "tile",
-                                 "persist", "persist3", "persist3_tile", "persist3_parts1"])
+# as if the GPU had more SMs than a launch has (tile, head) items: the persistent Gluon forward
+# then runs one item per program (``program_order.list_queues``), the bitwise reference
+ONE_ITEM_PER_PROGRAM = 1 << 30
+
+
+@pytest.mark.parametrize("cfg", ["", "128,128,2,1,0", "128,128,2,2,1", "128,128,2,2,0", "128,64,3,2,1", "sms3",
+                                 "sms3_parts1"])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
-    """The warp-specialised Gluon forward (the default on sm90 at d=128) in each consumer
-    layout and ring depth, one program per item, with the mask alone in the partial-block branch
-    (``MAGI_GLUON_FWD_JOIN=0``), in the tile-major launch order (``MAGI_GLUON_FWD_ORDER=tile``)
-    and persistent (``MAGI_GLUON_FWD_PERSIST=1``, the default; ``persist3``: as if on 3 SMs, so every program
-    runs a queue of many tiles of different lengths), against the float64 reference; the
-    Triton forward must agree, and a persistent launch must give the same bits as one program
-    per tile (each tile runs the same instructions)."""
+    """The warp-specialised Gluon forward (the default on sm90 at d=128; persistent: one program
+    per SM over a queue of (tile, head) items) in each consumer layout and ring depth, and as if
+    on 3 SMs (``sms3``: every program runs a queue of many tiles of different lengths), against
+    the float64 reference; the Triton forward must agree, and the launch must give the same bits
+    as one program per item (each item runs the same instructions wherever it is queued)."""
     from magi_kernels import gluon_fwd as gf
     from magi_kernels import triton_backend as tb
 
-    if cfg == "join0":
-        monkeypatch.setenv("MAGI_GLUON_FWD_JOIN", "0")
-    elif cfg.endswith("tile"):
-        monkeypatch.setenv("MAGI_GLUON_FWD_ORDER", "tile")
-    elif cfg.endswith("parts1"):
+    if cfg.endswith("parts1"):
         monkeypatch.setenv("MAGI_GLUON_FWD_CFG", "128,128,2,1,0")
-    elif cfg and not cfg.startswith("persist"):
+    elif cfg and not cfg.startswith("sms"):
         monkeypatch.setenv("MAGI_GLUON_FWD_CFG", cfg)
-    # the persistent launch (the default) on the "persist" configs, one program per item on the others
-    monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1" if cfg.startswith("persist") else "0")
-    if cfg.startswith("persist3"):
+    if cfg.startswith("sms3"):
         monkeypatch.setattr(gf, "sm_count", lambda device: 3)  # (the queue cache is keyed by the SM count)
     slices, S = _ragged_cases()[case]
     torch.manual_seed(2)
@@ -193,10 +190,9 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     assert torch.equal(torch.isfinite(lse), fin)
     torch.testing.assert_close(out.double(), ro, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double()[fin], rl[fin], atol=2e-2, rtol=2e-2)
-    if cfg.startswith("persist"):
-        monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "0")
-        out_1, lse_1 = flex_flash_attn_func(q, k, v, *args, backend="triton")
-        assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
+    monkeypatch.setattr(gf, "sm_count", lambda device: ONE_ITEM_PER_PROGRAM)
+    out_1, lse_1 = flex_flash_attn_func(q, k, v, *args, backend="triton")
+    assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
     monkeypatch.setenv("MAGI_GLUON_FWD", "0")
     out_t, lse_t = flex_flash_attn_func(q, k, v, *args, backend="triton")
     torch.testing.assert_close(out.float(), out_t.float(), atol=1e-2, rtol=1e-2)
@@ -206,10 +202,11 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
 @pytest.mark.parametrize("mask", ["causal", "sliding_window", "varlen_causal"])
 def test_gluon_forward_persistent_is_bitwise_per_tile(mask, monkeypatch):
     """At the bench's shape (8k tokens, 48 / 8 heads: 3072 (tile, head) items, about 23 per
-    SM) the persistent forward (``MAGI_GLUON_FWD_PERSIST=1``) gives the same bits as one
-    program per item, and both agree with the float64 reference on some rows."""
+    SM) the persistent forward gives the same bits as one program per item, and both agree
+    with the float64 reference on some rows."""
     from magi_attn.masks import make_mask
 
+    from magi_kernels import gluon_fwd as gf
     from magi_kernels import triton_backend as tb
 
     S, hq, hk = 8192, 48, 8
@@ -219,10 +216,9 @@ def test_gluon_forward_persistent_is_bitwise_per_tile(mask, monkeypatch):
     q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
     if not tb._use_gluon(q, k, v):
         pytest.skip("the Gluon forward needs sm90")
-    monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "0")
-    out_1, lse_1 = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
-    monkeypatch.setenv("MAGI_GLUON_FWD_PERSIST", "1")
     out, lse = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
+    monkeypatch.setattr(gf, "sm_count", lambda device: ONE_ITEM_PER_PROGRAM)
+    out_1, lse_1 = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
     assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
     rows = slice(S - 512, S)  # the last rows, against the reference over all keys (first 4 heads)
     mask_rows = dense_mask([(*a, *b, t) for a, b, t in zip(*ranges)], S, S, device="cuda")[rows]
@@ -230,31 +226,16 @@ def test_gluon_forward_persistent_is_bitwise_per_tile(mask, monkeypatch):
     torch.testing.assert_close(out[rows, :4].double(), ro, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("rotate,dq_first,order", [("0", "0", "head"), ("1", "0", "auto"), ("1", "1", "head"),
-                                                   ("1", "0", "tile")])
+@pytest.mark.parametrize("rotate,order", [("0", "head"), ("1", "auto"), ("1", "head"), ("1", "tile")])
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_matches_dense(case, softcap, rotate, dq_first, order, monkeypatch):
+def test_gluon_backward_matches_dense(case, softcap, rotate, order, monkeypatch):
     """The warp-specialised Gluon backward (dK, dV and dQ in one pass; the default on sm90 at
     d=128) against the float64 reference, GQA group of 3, with either query-block order and
-    either matmul order and either program order; the Triton backward must agree."""
+    either program order; the Triton backward must agree."""
     monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", rotate)
-    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", order)
 
-    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
-
-
-@pytest.mark.parametrize("dq_first,order", [("0", "auto"), ("1", "tile")])
-@pytest.mark.parametrize("softcap", [0.0, 4.0])
-@pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_query_major_scores_match_dense(case, softcap, dq_first, order, monkeypatch):
-    """The Gluon backward with S = Q K^T (``MAGI_GLUON_BWD_SCORES=qk``, v9-v11's default: P and
-    dS through shared memory for dV and dK, the mask by per-row key bounds; the default is
-    S^T = K Q^T) against the float64 reference and the Triton backward."""
-    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", "qk")
-    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
-    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", order)
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
 
 
@@ -276,17 +257,6 @@ def test_gluon_backward_ring_depth_matches_dense(case, softcap, cfg, monkeypatch
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
 
 
-@pytest.mark.parametrize("walk,softcap", [("head", 0.0), ("block", 0.0), ("head_rev", 0.0), ("block_rev", 0.0),
-                                          ("block_rev", 4.0)])
-@pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_walks_match_dense(case, walk, softcap, monkeypatch):
-    """Each order of a key tile's (query head, query block) steps (``MAGI_GLUON_BWD_WALK``,
-    whichever is the default): the blocks mirrored or the heads inner, each slice's tiles
-    starting at staggered blocks and heads, must still visit every block of every head once."""
-    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", walk)
-    _check_gluon_backward(*_ragged_cases()[case], 6, 2, softcap, monkeypatch)
-
-
 @pytest.mark.parametrize("case", list(_ragged_cases()))
 def test_gluon_backward_unsplit_matches_dense(case, monkeypatch):
     """``MAGI_GLUON_BWD_SPLIT=0`` and ``MAGI_GLUON_BWD_PIECES=0``: every program over its whole
@@ -296,16 +266,14 @@ def test_gluon_backward_unsplit_matches_dense(case, monkeypatch):
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
-@pytest.mark.parametrize("add,walk", [("atomic", "head"), ("tma", "head"), ("atomic", "head_rev")])
+@pytest.mark.parametrize("add", ["atomic", "tma"])
 @pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_head_pieces_match_dense(case, add, walk, monkeypatch):
+def test_gluon_backward_head_pieces_match_dense(case, add, monkeypatch):
     """``MAGI_GLUON_BWD_PIECES=1``: every program as one-query-head pieces, each KV head's tiles
     over one query head before the next, dK/dV added by atomics or by TMA reduce-adds of whole
-    [64, 64] boxes (rows past a tile's keys add zeros, ragged tiles end mid-box); also with the
-    blocks walked from the last row back (``head_rev``), the pending A/B's combination."""
+    [64, 64] boxes (rows past a tile's keys add zeros, ragged tiles end mid-box)."""
     monkeypatch.setenv("MAGI_GLUON_BWD_PIECES", "1")
     monkeypatch.setenv("MAGI_GLUON_BWD_PIECE_ADD", add)
-    monkeypatch.setenv("MAGI_GLUON_BWD_WALK", walk)
     _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
@@ -317,20 +285,6 @@ def test_gluon_backward_auto_pieces_of_several_heads_match_dense(case, monkeypat
     monkeypatch.delenv("MAGI_GLUON_BWD_PIECES", raising=False)
     monkeypatch.delenv("MAGI_GLUON_BWD_PIECE_ADD", raising=False)
     _check_gluon_backward(*_ragged_cases()[case], 12, 2, 0.0, monkeypatch)
-
-
-@pytest.mark.parametrize("scores,dq_first", [("kq", "0"), ("kq", "1"), ("qk", "1")])
-@pytest.mark.parametrize("sync", ["mbarrier", "implied", "named"])
-@pytest.mark.parametrize("case", list(_ragged_cases()))
-def test_gluon_backward_ds_syncs_match_dense(case, sync, scores, dq_first, monkeypatch):
-    """``MAGI_GLUON_BWD_DS_SYNC``: every dS exchange between the consumer warpgroups, in every
-    score orientation and dQ order: with the buffer-release mbarrier (``mbarrier``), without it
-    (``implied``, the default) or through a named barrier (``named``); a dS buffer overwritten
-    while the other warpgroup's dQ product still reads it would show here."""
-    monkeypatch.setenv("MAGI_GLUON_BWD_DS_SYNC", sync)
-    monkeypatch.setenv("MAGI_GLUON_BWD_SCORES", scores)
-    monkeypatch.setenv("MAGI_GLUON_BWD_DQ_FIRST", dq_first)
-    _check_gluon_backward(*_ragged_cases()[case], 6, 2, 0.0, monkeypatch)
 
 
 PIECE_VARIANTS = {"tail": {"MAGI_GLUON_BWD_PIECES": "0"},
@@ -359,8 +313,9 @@ def test_gluon_backward_mixed_pieces_match_whole_programs(mask, variant, monkeyp
     if not tb._use_gluon_bwd(q, k, v, do):
         pytest.skip("the Gluon backward needs sm90")
     out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)
-    grads = {}
-    monkeypatch.setenv("MAGI_GLUON_BWD_TRACE", "1")
+    grads, tables = {}, []
+    order_table = gluon_bwd._order_table
+    monkeypatch.setattr(gluon_bwd, "_order_table", lambda *a: tables.append(order_table(*a)) or tables[-1])
     for split in ("1", "0"):
         monkeypatch.setenv("MAGI_GLUON_BWD_SPLIT", split)
         for var, value in PIECE_VARIANTS[variant].items():
@@ -371,8 +326,8 @@ def test_gluon_backward_mixed_pieces_match_whole_programs(mask, variant, monkeyp
         if split == "0":  # the reference: whole programs everywhere (no per-launch pieces either)
             monkeypatch.setenv("MAGI_GLUON_BWD_PIECES", "0")
         grads[split] = tb.ffa_backward(do, q, k, v, out, lse, torch.zeros_like(lse), qr, kr, tm, d ** -0.5, 0.0)
-        _, g_lo, g_hi = gluon_bwd.decode_piece(gluon_bwd.last_trace["record"][:, 0].cpu())
-        n_heads = g_hi - g_lo
+        heads = tables[-1][0][:, 1].cpu()  # the launch's pieces: (program, g_lo | g_hi << 16)
+        n_heads = (heads >> 16) - (heads & 0xFFFF)
         if split == "0":
             assert (n_heads == 3).all()
         elif variant == "all_tma":

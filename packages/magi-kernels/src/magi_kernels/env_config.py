@@ -1,10 +1,28 @@
 """Kernel switches from the environment (tuning and A/B runs): tile-config overrides
-(``MAGI_TRITON_*_CFG``, ``MAGI_GLUON_*_CFG``) and named choices (``MAGI_GLUON_FWD_ORDER``, ...)."""
+(``MAGI_TRITON_*_CFG``, ``MAGI_GLUON_*_CFG``) and named choices (``MAGI_GLUON_BWD_PIECES``, ...),
+and a warning for the switches of removed kernel variants."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
+
+# Switches of kernel variants that lost their A/B and were removed (issue 41; the measurements
+# are in docs/notes/kernel_measurements.md): what the kernels do now, whatever the switch says.
+REMOVED_SWITCHES: dict[str, str] = {
+    "MAGI_GLUON_BWD_SCORES": "always key-major scores, S^T = K Q^T; notes v12",
+    "MAGI_GLUON_BWD_DQ_FIRST": "always dK issued before dQ; notes v10, v13",
+    "MAGI_GLUON_BWD_DS_SYNC": "always the dS exchange without a release barrier, 'implied'; notes v24",
+    "MAGI_GLUON_BWD_WALK": "always the head walk, 'head'; notes v14, v24",
+    "MAGI_GLUON_BWD_TRACE": "the per-program trace was removed",
+    "MAGI_GLUON_FWD_JOIN": "always the softmax in both branches of the partial-block test; notes v15",
+    "MAGI_GLUON_FWD_ORDER": "always the KV-major order, 'kv'; notes v15, v22, v24",
+    "MAGI_GLUON_FWD_PERSIST": "always the persistent forward; notes v19, v22, v24",
+    "MAGI_TRITON_WS": "never a warp-specialised forward loop; notes v4",
+    "MAGI_TRITON_BWD_WS": "never warp-specialised backward loops; notes v6",
+    "MAGI_TRITON_BWD_FUSE": "always dK/dV and dQ in one launch where the layers allow it; notes v4",
+}
 
 
 def env_config(var: str, default: tuple[int, ...], fields: str,
@@ -30,3 +48,14 @@ def env_choice(var: str, default: str, choices: tuple[str, ...]) -> str:
     if raw not in choices:
         raise ValueError(f"{var} must be one of {', '.join(repr(c) for c in choices)}, got {raw!r}")
     return raw
+
+
+def warn_removed_switches(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The ``REMOVED_SWITCHES`` set in ``environ``, with one warning naming them (none if none is
+    set). They change nothing any more; the warning says so instead of ignoring them silently.
+    Called once, when the Triton backend is imported, never per launch."""
+    found = [var for var in REMOVED_SWITCHES if environ.get(var)]
+    if found:
+        lines = "; ".join(f"{var} ({REMOVED_SWITCHES[var]})" for var in found)
+        warnings.warn(f"these kernel switches no longer exist and are ignored: {lines}", UserWarning, stacklevel=2)
+    return found

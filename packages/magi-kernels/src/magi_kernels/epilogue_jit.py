@@ -67,46 +67,23 @@ if AVAILABLE:
         return q_lo, q_hi, f_lo, f_hi
 
     @triton.jit
-    def walk_start(n0, ks, q_lo, q_hi, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr,
-                   ROTATE: tl.constexpr, BLOCK_WALK: tl.constexpr):
-        """(number of query blocks of [q_lo, q_hi), the block and the head of the GQA group that
-        a key tile at n0 of a slice with keys from ks starts its walk at; see walk_step).
+    def walk_start(n0, q_lo, q_hi, BM: tl.constexpr, ROTATE: tl.constexpr):
+        """(number of query blocks of [q_lo, q_hi), the block a key tile at n0 starts its walk
+        at; see walk_step).
 
         ROTATE staggers the starts so that the resident programs add into different dQ rows at a
-        time while their Q/dO reads stay close (L2). Head walk: the block holding row n0 (the
-        tile's diagonal), which keeps neighbouring tiles 2 blocks apart. Block walk: the c-th
-        tile of the slice starts at step c of the (block, head) sequence, block c // GROUP and
-        head c % GROUP, so neighbouring tiles are one step apart."""
+        time while their Q/dO reads stay close (L2): the block holding row n0 (the tile's
+        diagonal), which keeps neighbouring tiles 2 blocks apart."""
         n_blocks = tl.cdiv(q_hi - q_lo, BM)
-        zero = n0 * 0  # a tensor of n0's type in every branch
         if ROTATE:
-            if BLOCK_WALK:
-                c = tl.maximum(n0 - ks, 0) // BN
-                return n_blocks, (c // GROUP) % tl.maximum(n_blocks, 1), c % GROUP
-            else:
-                return n_blocks, tl.maximum(n0 - q_lo, 0) // BM, zero
+            return n_blocks, tl.maximum(n0 - q_lo, 0) // BM
         else:
-            return n_blocks, zero, zero
+            return n_blocks, n0 * 0  # (a tensor of n0's type in both branches)
 
     @triton.jit
-    def walk_step(o, u, n_blocks, first, q_lo, rot, g_lo, g_hi, BM: tl.constexpr, BLOCK_WALK: tl.constexpr,
-                  REVERSE: tl.constexpr):
-        """(query head within the GQA group, first query row) of step (o, u) of a key tile's walk
-        over heads [g_lo, g_hi) of its GQA group x n_blocks query blocks, for loops ``for o in
-        range(0, n_blocks) if BLOCK_WALK else range(g_lo, g_hi): for u in range(g_hi - g_lo if
-        BLOCK_WALK else n_blocks)``.
-
-        Head walk (``BLOCK_WALK`` false): every block of one head, then the next head. Block
-        walk: every head of one block, then the next block, the heads starting at ``rot``.
-        ``REVERSE`` mirrors the blocks, ``first`` counting from the last one: a causal tile walks
-        from its last rows back to its diagonal."""
-        if BLOCK_WALK:
-            t = o
-            g = g_lo + (u + rot) % (g_hi - g_lo)
-        else:
-            t = u
-            g = o
-        idx = (t + first) % n_blocks
-        if REVERSE:
-            idx = n_blocks - 1 - idx
-        return g, q_lo + idx * BM
+    def walk_step(u, n_blocks, first, q_lo, BM: tl.constexpr):
+        """First query row of step ``u`` of a key tile's walk over its ``n_blocks`` query blocks
+        of one head, from block ``first`` and wrapping (every block of one query head of the GQA
+        group, then the next head: the loops are ``for g in range(g_lo, g_hi): for u in
+        range(n_blocks)``)."""
+        return q_lo + ((u + first) % n_blocks) * BM

@@ -14,17 +14,16 @@ the key tiles of causal slices differ in length (causal, packed causal documents
 program runs as pieces over a chunk of the GQA group instead, each KV head's tiles over one
 chunk before the next, so that the resident pieces stay on one chunk's rows in L2; their dK/dV
 go out as TMA reduce-adds (``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.06-1.38
-on causal, v19). The dS halves are exchanged without a buffer-release barrier
-(``MAGI_GLUON_BWD_DS_SYNC=implied``, the default since v24). The program forks into:
+on causal, v19). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
-  and (key-major scores) the block's LSE and delta rows into shared memory;
-* two consumer warpgroups (240 registers), each owning 64 of the tile's keys. By default
-  (``MAGI_GLUON_BWD_SCORES=kq``) S^T = K Q^T and dP^T = V dO^T (issued together), so P^T and
-  dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q (FA3's layout for
-  d=128); ``qk`` computes S = Q K^T and passes P and dS through shared memory. The two
-  warpgroups' dS halves make the block's dS (double-buffered, mbarriers); each warpgroup then
+  and the block's LSE and delta rows into shared memory;
+* two consumer warpgroups (240 registers), each owning 64 of the tile's keys. The scores are
+  key-major: S^T = K Q^T and dP^T = V dO^T (issued together), so P^T and dS^T are already the
+  register A operands of dV += P^T dO and dK += dS^T Q (FA3's layout for d=128; +4-10 % over
+  the query-major S = Q K^T of v9-v11, v12 notes). The two warpgroups' dS halves make the
+  block's dS (double-buffered, one mbarrier per buffer, ``_consumer``); each warpgroup then
   computes half of dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global
   memory with a TMA bulk reduce-add, which runs while the next block is computed.
 
@@ -58,7 +57,7 @@ if AVAILABLE:
         AVAILABLE = False
 
 if AVAILABLE:
-    from .epilogue_jit import key_row_bounds, key_tile_rows, row_bounds, walk_start, walk_step
+    from .epilogue_jit import key_row_bounds, key_tile_rows, walk_start, walk_step
     from .gluon_common import (
         CONSUMER_REGS,
         LOADER_REGS,
@@ -78,23 +77,15 @@ if AVAILABLE:
 # BN/2), STAGES-deep Q/dO ring (3: +3-5 % over 2 at 8k-32k, v13 notes; 231424 of the 232448
 # bytes of shared memory)
 CONFIGS = {128: (64, 128, 3)}
-QUERY_MAJOR_STAGES = 2  # MAGI_GLUON_BWD_SCORES=qk: its P buffer (16 KB) leaves room for 2 stages
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
-__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "default_config", "key_tile_size", "launch", "supported"]
-
-
-def default_config(d: int, key_major: bool) -> tuple[int, int, int]:
-    """The tuned (BM, BN, STAGES) for head dim ``d`` in either score orientation."""
-    bm, bn, stages = CONFIGS[d]
-    return bm, bn, stages if key_major else min(stages, QUERY_MAJOR_STAGES)
+__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "key_tile_size", "launch", "supported"]
 
 
 def _config(d: int) -> tuple[int, int, int]:
     """``MAGI_GLUON_BWD_CFG=BM,BN,STAGES`` overrides the tuned config (tuning runs; a config
     that needs more shared memory than the GPU has fails at launch with Triton's
     "out of resource: shared memory")."""
-    return env_config("MAGI_GLUON_BWD_CFG", default_config(d, _scores() == "kq"),  # type: ignore[return-value]
-                      "BM,BN,STAGES")
+    return env_config("MAGI_GLUON_BWD_CFG", CONFIGS[d], "BM,BN,STAGES")  # type: ignore[return-value]
 
 
 def _rotate() -> bool:
@@ -102,26 +93,6 @@ def _rotate() -> bool:
     query block (see ``epilogue_jit.walk_start``; +4.5 % at 16k full, within 1 %
     elsewhere: docs/notes/kernel_measurements.md, v9)."""
     return env_choice("MAGI_GLUON_BWD_ROTATE", "1", ("0", "1")) == "1"
-
-
-def _dq_first() -> bool:
-    """``MAGI_GLUON_BWD_DQ_FIRST=0/1`` (default 0): 0 issues dK then dQ and waits for both;
-    1 issues dQ first and writes it out while dK runs. (Leaving dK in flight into the next
-    block makes ptxas serialise every wgmma of the loop: not offered.)"""
-    return env_choice("MAGI_GLUON_BWD_DQ_FIRST", "0", ("0", "1")) == "1"
-
-
-WALKS = ("head", "block", "head_rev", "block_rev")
-
-
-def _walk() -> tuple[bool, bool]:
-    """``MAGI_GLUON_BWD_WALK=head/block/head_rev/block_rev`` (default head): the order of a key
-    tile's (query head, query block) steps (``epilogue_jit.walk_step``), as (block walk,
-    reversed). ``head``: every block of one head of the GQA group, then the next head;
-    ``block``: every head of one block, then the next block; ``_rev``: the blocks mirrored (a
-    causal tile from its last rows back to its diagonal)."""
-    raw = env_choice("MAGI_GLUON_BWD_WALK", "head", WALKS)
-    return raw.startswith("block"), raw.endswith("_rev")
 
 
 def _split() -> bool:
@@ -148,29 +119,6 @@ def _pieces() -> int | str:
     return int(raw)
 
 
-DS_SYNCS = ("mbarrier", "implied", "named")
-
-
-def _ds_sync() -> int:
-    """``MAGI_GLUON_BWD_DS_SYNC=mbarrier/implied/named`` (default implied): how the two consumer
-    warpgroups exchange a step's dS halves (each computes dQ from both).
-
-    * ``mbarrier``: ``ds_full`` (both halves stored) and ``ds_empty`` (both dQ products of the
-      buffer's last step done) per double-buffered dS; Triton puts a warpgroup barrier before
-      and after every mbarrier operation, 4 per step here;
-    * ``implied``: no ``ds_empty``: a warpgroup's arrival on step j+1's ``ds_full`` already
-      comes after its step-j dQ (its steps run in order), and the buffer is reused at j+2;
-    * ``named``: no mbarriers: one ``bar.sync`` over both warpgroups' 256 threads (FA3's
-      named barrier) where the dQ product waits for dS, with the same reuse argument.
-
-    ``implied`` is the default: in balanced-order A/Bs on an H100 (v24 notes) it measured
-    x1.00-1.03 against ``mbarrier`` per mask (geometric mean over 8k-32k; causal x0.999,
-    packed documents x1.02-1.03), ``named`` x0.99-1.03 (loses on causal).
-
-    Returned as its index in ``DS_SYNCS`` (the kernel's constexpr)."""
-    return DS_SYNCS.index(env_choice("MAGI_GLUON_BWD_DS_SYNC", "implied", DS_SYNCS))
-
-
 def _piece_add() -> str:
     """``MAGI_GLUON_BWD_PIECE_ADD=auto/atomic/tma`` (default auto): how a piece adds its dK/dV,
     per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
@@ -178,30 +126,6 @@ def _piece_add() -> str:
     allow it (v19: pieces of 3 heads with TMA adds were the best set on causal and packed
     causal documents), atomics for a split tail's few pieces."""
     return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "auto", ("auto", "atomic", "tma"))
-
-
-def _trace() -> bool:
-    """``MAGI_GLUON_BWD_TRACE=1``: each launch records every program's SM and start/end
-    ``%globaltimer`` into ``last_trace`` (a profiling aid for ``bench/bwd_trace.py``; one int64
-    store per program, off by default)."""
-    return env_choice("MAGI_GLUON_BWD_TRACE", "0", ("0", "1")) == "1"
-
-
-last_trace: dict | None = None  # MAGI_GLUON_BWD_TRACE=1: the last launch's per-program record
-
-
-def decode_piece(value):
-    """(program id ``head * n_tiles + tile``, g_lo, g_hi) of a trace record's first field, the
-    kernel's ``prog + (g_lo | g_hi << 16) << 32`` (ints or int64 tensors alike)."""
-    heads = value >> 32
-    return value & 0xFFFFFFFF, heads & 0xFFFF, heads >> 16
-
-
-def _scores() -> str:
-    """``MAGI_GLUON_BWD_SCORES=kq/qk`` (default kq): the orientation of the score matmuls.
-    ``qk``: S = Q K^T, P and dS through shared memory to the dK/dV matmuls; ``kq``: S^T = K Q^T,
-    P^T and dS^T stay in registers as the dK/dV matmuls' A operands (see ``_consumer``)."""
-    return env_choice("MAGI_GLUON_BWD_SCORES", "kq", ("qk", "kq"))
 
 
 def _order_mode() -> str | int:
@@ -300,20 +224,10 @@ if AVAILABLE:
         _reduce_add(desc, [row, col + DH], buf)
 
     @gluon.jit
-    def _wait_ds(ds_full, phase, DS_SYNC: gl.constexpr):
-        """Wait until both consumer warpgroups have stored this step's dS (``_ds_sync``)."""
-        if DS_SYNC == 2:  # named barrier 15 (Triton's partitions use 0-2), both warpgroups' threads
-            gl.inline_asm_elementwise("bar.sync 15, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            mbarrier.wait(ds_full, phase)
-
-    @gluon.jit
     def _loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars, LSE2,
                 DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP: gl.constexpr, BM: gl.constexpr,
-                BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KQ: gl.constexpr,
-                BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr):
-        kv_bar, q_bars, do_bars, empty_bars, _ds_full, _ds_empty = bars
+                BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr):
+        kv_bar, q_bars, do_bars, empty_bars, _ds_full = bars
         stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0, hk * D], kv_bar, k_smem)
@@ -322,65 +236,61 @@ if AVAILABLE:
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, _f_lo, _f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
-            n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
-            for o in range(0 if BLOCK_WALK else g_lo, n_blocks if BLOCK_WALK else g_hi):
-                for u in range(g_hi - g_lo if BLOCK_WALK else n_blocks):
-                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, g_lo, g_hi, BM, BLOCK_WALK, REVERSE)
+            n_blocks, first_block = walk_start(n0, q_lo, q_hi, BM, ROTATE)
+            for g in range(g_lo, g_hi):
+                for u in range(n_blocks):
+                    mb = walk_step(u, n_blocks, first_block, q_lo, BM)
                     col = (hk * GROUP + g) * D
                     head = (hk * GROUP + g).to(gl.int64) * T
                     s = j % STAGES
-                    if KQ:  # the block's LSE and delta, loaded before the wait for the slot (latency)
-                        # (plain loads: TMA would need 16-byte aligned starts, and blocks start anywhere)
-                        idx = mb + gl.arange(0, BM, layout=stat_layout)
-                        ok = idx < T
-                        lse2 = gl.load(LSE2 + head + idx, mask=ok, other=0.0)
-                        delta = gl.load(DELTA + head + idx, mask=ok, other=0.0)
+                    # the block's LSE and delta, loaded before the wait for the slot (latency)
+                    # (plain loads: TMA would need 16-byte aligned starts, and blocks start anywhere)
+                    idx = mb + gl.arange(0, BM, layout=stat_layout)
+                    ok = idx < T
+                    lse2 = gl.load(LSE2 + head + idx, mask=ok, other=0.0)
+                    delta = gl.load(DELTA + head + idx, mask=ok, other=0.0)
                     mbarrier.wait(empty_bars.index(s), ((j // STAGES) & 1) ^ 1)
                     mbarrier.expect(q_bars.index(s), q_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(q_desc, [mb, col], q_bars.index(s), q_smem.index(s))
                     mbarrier.expect(do_bars.index(s), do_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(do_desc, [mb, col], do_bars.index(s), do_smem.index(s))
-                    if KQ:  # to shared memory: Q's barrier's second arrival
-                        lse_smem.index(s).store(lse2)
-                        delta_smem.index(s).store(delta)
-                        gl.thread_barrier()
-                        mbarrier.arrive(q_bars.index(s))
+                    # to shared memory: Q's barrier's second arrival
+                    lse_smem.index(s).store(lse2)
+                    delta_smem.index(s).store(delta)
+                    gl.thread_barrier()
+                    mbarrier.arrive(q_bars.index(s))
                     j += 1
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars, dq_desc,
-                  dk_desc, dv_desc, DK, DV, LSE2, DELTA,
-                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out,
+    def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, dq_desc,
+                  dk_desc, dv_desc, DK, DV,
+                  META, MEMBERS, n0, t_end, first, count, hk, g_lo, g_hi, HK, scale, qk_scale, cap_in, cap_out,
                   GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, DQ_FIRST: gl.constexpr,
-                  KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr, PIECE_TMA: gl.constexpr,
-                  DS_SYNC: gl.constexpr, PART: gl.constexpr):
+                  HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr, PIECE_TMA: gl.constexpr,
+                  PART: gl.constexpr):
         """dK/dV of keys [n0 + PART*W, n0 + (PART+1)*W) of the tile (W = BN/2) and, per query
         block, dQ's columns [PART*D/2, (PART+1)*D/2).
 
-        Scores are computed as S = Q K^T ([query rows, keys], FA3's orientation), so the row
-        statistics (LSE, delta) take 2 registers per thread instead of 16 for S^T's columns; P and
-        dS reach the dK/dV matmuls as [keys, rows] operands through shared memory.
+        Scores are computed key-major, S^T = K Q^T and dP^T = V dO^T ([keys, query rows]): P^T
+        and dS^T are then already the [keys, rows] A operands of dV += P^T dO and dK += dS^T Q
+        and stay in registers (no P in shared memory, no fence before dV), at 16 registers each
+        for LSE and delta (S^T's columns), and dS^T is stored for dQ without a transpose.
 
-        ``KQ`` computes S^T = K Q^T and dP^T = V dO^T instead ([keys, query rows]): P^T and dS^T
-        are then already the [keys, rows] A operands of dV += P^T dO and dK += dS^T Q and stay in
-        registers (no P in shared memory, no fence before dV; 24 KB less shared-memory traffic
-        per warpgroup and block), at 16 registers each for LSE and delta, and dS^T is stored for
-        dQ without a transpose."""
-        kv_bar, q_bars, do_bars, empty_bars, ds_full, ds_empty = bars
+        The two warpgroups exchange their dS halves through a double-buffered dS and one
+        ``ds_full`` mbarrier per buffer (both halves stored). No barrier releases a buffer:
+        a warpgroup overwrites buffer j % 2 at step j+2, after it has passed step j+1's
+        exchange, and the other warpgroup arrives there only after its step-j dQ product, the
+        buffer's last reader (x1.00-1.03 per mask over a release mbarrier on an H100, v24)."""
+        kv_bar, q_bars, do_bars, empty_bars, ds_full = bars
         W: gl.constexpr = BN // 2
         DH: gl.constexpr = D // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, W, 16])
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DH, 16])
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BM, 16])  # KQ: S^T [W, BM]
-        st_rows: gl.constexpr = gl.SliceLayout(0, st_layout)  # KQ: query rows are S^T's columns
+                                                            instr_shape=[16, BM, 16])  # S^T [W, BM]
+        st_rows: gl.constexpr = gl.SliceLayout(0, st_layout)  # query rows are S^T's columns
         st_keys: gl.constexpr = gl.SliceLayout(1, st_layout)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
@@ -397,10 +307,10 @@ if AVAILABLE:
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau = load_slice(META, MEMBERS, i)
             q_lo, q_hi, f_lo, f_hi = key_tile_rows(n0, qs, qe, ks, ke, inv, cau, BN)
-            n_blocks, first_block, rot = walk_start(n0, ks, q_lo, q_hi, BM, BN, GROUP, ROTATE, BLOCK_WALK)
-            for o in range(0 if BLOCK_WALK else g_lo, n_blocks if BLOCK_WALK else g_hi):
-                for u in range(g_hi - g_lo if BLOCK_WALK else n_blocks):
-                    g, mb = walk_step(o, u, n_blocks, first_block, q_lo, rot, g_lo, g_hi, BM, BLOCK_WALK, REVERSE)
+            n_blocks, first_block = walk_start(n0, q_lo, q_hi, BM, ROTATE)
+            for g in range(g_lo, g_hi):
+                for u in range(n_blocks):
+                    mb = walk_step(u, n_blocks, first_block, q_lo, BM)
                     h = hk * GROUP + g
                     s = j % STAGES
                     q_s = q_smem.index(s)
@@ -408,106 +318,53 @@ if AVAILABLE:
                     b = j % 2
                     ds_b = ds_smem.index(b)  # [BN, BM]: the block's dS^T, both warpgroups' halves
                     my_ds = ds_b.slice(PART * W, W, dim=0)
-                    if KQ:
-                        rows = mb + gl.arange(0, BM, layout=st_rows)
-                        # LSE and delta come from shared memory (put there by the loader), read where used:
-                        # 16 registers each in this layout, too many to keep live across the matmuls.
-                        # S^T starts at -LSE/scale, so that LSE is dead once S^T is issued (nothing is
-                        # in flight then; an initialised dP^T accumulator would make ptxas wait for S^T)
-                        zero_st = gl.zeros([W, BM], gl.float32, st_layout)
-                        mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                    rows = mb + gl.arange(0, BM, layout=st_rows)
+                    # LSE and delta come from shared memory (put there by the loader), read where used:
+                    # 16 registers each in this layout, too many to keep live across the matmuls.
+                    # S^T starts at -LSE/scale, so that LSE is dead once S^T is issued (nothing is
+                    # in flight then; an initialised dP^T accumulator would make ptxas wait for S^T)
+                    zero_st = gl.zeros([W, BM], gl.float32, st_layout)
+                    mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
+                    lse2 = lse_smem.index(s).load(st_rows)
+                    s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
+                    sc = warpgroup_mma(k_rows, q_s.permute((1, 0)), s_init, is_async=True)
+                    mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
+                    dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+                    sc = warpgroup_mma_wait(1, deps=(sc,))
+                    if HAS_SOFTCAP:  # the cap applies to the raw score: LSE subtracted here
                         lse2 = lse_smem.index(s).load(st_rows)
-                        s_init = zero_st if HAS_SOFTCAP else zero_st - (lse2 * inv_qk_scale)[None, :]
-                        sc = warpgroup_mma(k_rows, q_s.permute((1, 0)), s_init, is_async=True)
-                        mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
-                        dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-                        sc = warpgroup_mma_wait(1, deps=(sc,))
-                        if HAS_SOFTCAP:  # the cap applies to the raw score: LSE subtracted here
-                            lse2 = lse_smem.index(s).load(st_rows)
-                            th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
-                            p = gl.exp2(th * cap_out - lse2[None, :])
-                        else:
-                            p = gl.exp2(sc * qk_scale)
-                        if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
-                            keys = n0 + PART * W + gl.arange(0, W, layout=st_keys)
-                            lo, hi = key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi)
-                            p = gl.where((rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None]), p, 0.0)
-                        p_a = gl.convert_layout(p.to(dtype), a_layout)
-                        dv = warpgroup_mma(p_a, do_s, dv, is_async=True)  # dV += P^T dO
-                        dp = warpgroup_mma_wait(1, deps=(dp,))
-                        ds = p * (dp - delta_smem.index(s).load(st_rows)[None, :])
-                        if HAS_SOFTCAP:
-                            ds = ds * (1.0 - th * th)
-                        ds_a = gl.convert_layout(ds.to(dtype), a_layout)
-                        if not DQ_FIRST:
-                            dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)  # dK += dS^T Q
-                        if DS_SYNC == 0:
-                            mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
-                        my_ds.store(ds.to(dtype))
+                        th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
+                        p = gl.exp2(th * cap_out - lse2[None, :])
                     else:
-                        rows = mb + gl.arange(0, BM, layout=row_layout)
-                        rmask = rows < q_hi
-                        lse2 = gl.load(LSE2 + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
-                        delta = gl.load(DELTA + h.to(gl.int64) * T + rows, mask=rmask, other=0.0)
-                        zero_s = gl.zeros([BM, W], gl.float32, s_layout)
-                        mbarrier.wait(q_bars.index(s), (j // STAGES) & 1)
-                        sc = warpgroup_mma(q_s, k_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                        mbarrier.wait(do_bars.index(s), (j // STAGES) & 1)
-                        dp = warpgroup_mma(do_s, v_rows.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                        sc = warpgroup_mma_wait(1, deps=(sc,))
-                        if HAS_SOFTCAP:
-                            th = 1.0 - 2.0 / (gl.exp(2.0 * cap_in * sc) + 1.0)
-                            p = gl.exp2(th * cap_out - lse2[:, None])
-                        else:
-                            p = gl.exp2(sc * qk_scale - lse2[:, None])
-                        if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
-                            lo, hi = row_bounds(rows, qs, qe, ks, ke, inv, cau)
-                            keys = n0 + PART * W + gl.arange(0, W, layout=key_layout)  # here: 16 registers
-                            vis = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None]) & rmask[:, None]
-                            p = gl.where(vis, p, 0.0)
-                        my_p = p_smem.index(PART)  # [W, BM]: P^T of this warpgroup's keys
-                        my_p.permute((1, 0)).store(p.to(dtype))
-                        fence_async_shared()
-                        dv = warpgroup_mma(my_p, do_s, dv, is_async=True)  # dV += P^T dO
-                        dp = warpgroup_mma_wait(1, deps=(dp,))
-                        ds = p * (dp - delta[:, None])
-                        if HAS_SOFTCAP:
-                            ds = ds * (1.0 - th * th)
-                        if DS_SYNC == 0:
-                            mbarrier.wait(ds_empty.index(b), ((j // 2) & 1) ^ 1)
-                        my_ds.permute((1, 0)).store(ds.to(dtype))
+                        p = gl.exp2(sc * qk_scale)
+                    if (mb < f_lo) | (mb + BM > f_hi):  # partial block: element mask
+                        keys = n0 + PART * W + gl.arange(0, W, layout=st_keys)
+                        lo, hi = key_row_bounds(keys, qs, qe, ks, ke, inv, cau, q_hi)
+                        p = gl.where((rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None]), p, 0.0)
+                    p_a = gl.convert_layout(p.to(dtype), a_layout)
+                    dv = warpgroup_mma(p_a, do_s, dv, is_async=True)  # dV += P^T dO
+                    dp = warpgroup_mma_wait(1, deps=(dp,))
+                    ds = p * (dp - delta_smem.index(s).load(st_rows)[None, :])
+                    if HAS_SOFTCAP:
+                        ds = ds * (1.0 - th * th)
+                    ds_a = gl.convert_layout(ds.to(dtype), a_layout)
+                    dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)  # dK += dS^T Q
+                    my_ds.store(ds.to(dtype))
                     fence_async_shared()
-                    if DS_SYNC != 2:
-                        mbarrier.arrive(ds_full.index(b))
+                    mbarrier.arrive(ds_full.index(b))
                     zero_dq = gl.zeros([BM, DH], gl.float32, dq_layout)
-                    if not DQ_FIRST:
-                        if not KQ:
-                            dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)  # dK += dS^T Q
-                        _wait_ds(ds_full.index(b), (j // 2) & 1, DS_SYNC)
-                        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
-                                           is_async=True)  # dQ[:, my half] = dS K
-                        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                        mbarrier.arrive(empty_bars.index(s))
-                        if DS_SYNC == 0:
-                            mbarrier.arrive(ds_empty.index(b))
-                    else:  # dQ first: its epilogue below runs while dK is on the tensor cores
-                        _wait_ds(ds_full.index(b), (j // 2) & 1, DS_SYNC)
-                        dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-                        if KQ:
-                            dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
-                        else:
-                            dk = warpgroup_mma(my_ds, q_s, dk, is_async=True)
-                        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+                    mbarrier.wait(ds_full.index(b), (j // 2) & 1)  # both halves stored
+                    dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
+                                       is_async=True)  # dQ[:, my half] = dS K
+                    # (issuing dQ before dK and writing it out while dK runs measured slower or even:
+                    # v10, v13)
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                    mbarrier.arrive(empty_bars.index(s))
                     # (fp32 atomics from the registers instead measured 12-28 % slower: v19)
                     tma.store_wait(0)  # the previous block's reduce-add has read my_dq
                     my_dq.store(dq * scale)
                     fence_async_shared()
                     _reduce_add(dq_desc, [mb, h * D + PART * DH], my_dq)  # rows past the tensor are dropped
-                    if DQ_FIRST:  # dK has read this block's Q and dS: release them
-                        dk = warpgroup_mma_wait(0, deps=(dk,))
-                        mbarrier.arrive(empty_bars.index(s))
-                        if DS_SYNC == 0:
-                            mbarrier.arrive(ds_empty.index(b))
                     j += 1
         tma.store_wait(0)
 
@@ -537,11 +394,7 @@ if AVAILABLE:
                        TILES, MEMBERS, ORDER, N_TILES, T, HQ, scale, qk_scale, cap_in, cap_out,
                        GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, ROTATE: gl.constexpr,
-                       DQ_FIRST: gl.constexpr, KQ: gl.constexpr, BLOCK_WALK: gl.constexpr, REVERSE: gl.constexpr,
-                       PIECE_TMA: gl.constexpr, DS_SYNC: gl.constexpr,
-                       TRACE: gl.constexpr, TRACE_BUF):
-        if TRACE:
-            t_start = _globaltimer()
+                       PIECE_TMA: gl.constexpr):
         HK = HQ // GROUP
         # launch order (program_order): (head * n_tiles + tile, query heads g_lo | g_hi << 16)
         prog = gl.load(ORDER + gl.program_id(0) * 2)
@@ -561,61 +414,38 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        if KQ:  # P^T stays in registers: no buffer (its 16 KB make room for a third Q/dO stage)
-            p_smem = gl.allocate_shared_memory(dtype, [1, 16, 16], ds_layout)
-        else:
-            p_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D // 2], dq_desc.layout)
         stat_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)  # KQ only
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(STAGES):
-            mbarrier.init(q_bars.index(s), count=2 if KQ else 1)  # KQ: + the row statistics
+            mbarrier.init(q_bars.index(s), count=2)  # the TMA bytes + the loader's row statistics
             mbarrier.init(do_bars.index(s), count=1)
             mbarrier.init(empty_bars.index(s), count=2)  # one arrival per consumer warpgroup
         for s in gl.static_range(2):
             mbarrier.init(ds_full.index(s), count=2)
-            mbarrier.init(ds_empty.index(s), count=2)
-        bars = (kv_bar, q_bars, do_bars, empty_bars, ds_full, ds_empty)
+        bars = (kv_bar, q_bars, do_bars, empty_bars, ds_full)
 
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
-                         hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
-                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA,
-                         DS_SYNC, 0)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem, ds_smem, dq_smem, bars,
-                         dq_desc, dk_desc, dv_desc, DK, DV, LSE2, DELTA, META, MEMBERS, n0, t_end, first, count,
-                         hk, g_lo, g_hi, HK, T, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
-                         HAS_SOFTCAP, ACCUM, ROTATE, DQ_FIRST, KQ, BLOCK_WALK, REVERSE, PIECE_TMA,
-                         DS_SYNC, 1)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars,
+                         dq_desc, dk_desc, dv_desc, DK, DV, META, MEMBERS, n0, t_end, first, count,
+                         hk, g_lo, g_hi, HK, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
+                         HAS_SOFTCAP, ACCUM, ROTATE, PIECE_TMA, 0)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars,
+                         dq_desc, dk_desc, dv_desc, DK, DV, META, MEMBERS, n0, t_end, first, count,
+                         hk, g_lo, g_hi, HK, scale, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES,
+                         HAS_SOFTCAP, ACCUM, ROTATE, PIECE_TMA, 1)),
             (_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, bars,
                        LSE2, DELTA, META, MEMBERS, n0, first, count, hk, g_lo, g_hi, T, GROUP, BM, BN, D, STAGES,
-                       ROTATE, KQ, BLOCK_WALK, REVERSE)),
+                       ROTATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-        if TRACE:  # (program, SM, start ns, end ns): the default partition is done with its keys here
-            rec = TRACE_BUF + gl.program_id(0).to(gl.int64) * 4
-            gl.store(rec, prog.to(gl.int64) + (heads.to(gl.int64) << 32))
-            gl.store(rec + 1, _smid().to(gl.int64))
-            gl.store(rec + 2, t_start)
-            gl.store(rec + 3, _globaltimer())
-
-    @gluon.jit
-    def _globaltimer():
-        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                         pack=1)
-
-    @gluon.jit
-    def _smid():
-        return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
 
     def dq_descriptor(dq: torch.Tensor, rows: int) -> "TensorDescriptor":
         """TMA descriptor of the fp32 dQ accumulator [tokens, heads, d] for the reduce-adds: box
@@ -643,7 +473,6 @@ if AVAILABLE:
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
-        block_walk, reverse = _walk()
         add = _piece_add()
         piece_tma = add == "tma" or (add == "auto" and bool(all_pieces) and BN // 2 == BM)
         if piece_tma and BN // 2 != BM:
@@ -652,16 +481,9 @@ if AVAILABLE:
         dq_d = dq_descriptor(dq, BM)
         # (without PIECE_TMA the dK/dV descriptors are not read: dQ's stands in, no host work)
         dk_d, dv_d = (dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2)) if piece_tma else (dq_d, dq_d)
-        trace = _trace()
-        trace_buf = torch.zeros(len(order), 4, dtype=torch.int64, device=q.device) if trace else dq
         _bwd_ws_kernel[(len(order),)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dk, dv,
             lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), DQ_FIRST=_dq_first(), KQ=_scores() == "kq", BLOCK_WALK=block_walk,
-            REVERSE=reverse, PIECE_TMA=piece_tma,
-            DS_SYNC=_ds_sync(), TRACE=trace, TRACE_BUF=trace_buf, num_warps=4, maxnreg=MAX_REGS,
+            ROTATE=_rotate(), PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
         )
-        if trace:
-            global last_trace
-            last_trace = {"record": trace_buf, "work": work, "n_kv_heads": hk, "block_rows": BM}

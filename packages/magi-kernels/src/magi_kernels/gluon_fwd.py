@@ -1,18 +1,26 @@
 """Warp-specialised Hopper forward (Gluon): the FA3 schedule over the Triton backend's tiles.
 
-One program per (query tile, query head), on the same tile tables as ``triton_backend`` (so
-overlapping slices, members and layers work unchanged), launched KV-major: the tiles of one KV
-head's query heads, then the next KV head, so the resident programs share one KV head's K/V in
-L2 (v15: +3-5 % at 16k, +4-7 % at 32k over each tile for every head). The program forks into:
+Persistent: one program per SM runs a queue of (query tile, query head) items, on the same
+tile tables as ``triton_backend`` (so overlapping slices, members and layers work unchanged).
+The items are taken KV-major: the tiles of one KV head's query heads, then the next KV head, so
+the resident programs share one KV head's K/V in L2 (v15: +3-5 % at 16k, +4-7 % at 32k over
+each tile for every head; v22/v24 on an H100: tile-major lost 2-6 % on full and causal). Each
+SM's queue holds the items the list schedule of that order gives it
+(``program_order.list_queues``); the ring position and the ping-pong rounds run on from one
+item to the next, and a ``q_empty`` barrier hands the query buffer back to the loader, which
+loads the next item's query rows and first key blocks while the consumers finish the current
+one (x1.00-1.08 over one program per item on an H100, most on packed documents: v19, v22, v24).
+The program forks into:
 
-* a loader warp (24 registers) that TMA-loads the query tile once, then every key block of the
-  tile's members into a ring of ``STAGES`` (3) K/V shared-memory buffers; each buffer has a
+* a loader warp (24 registers) that TMA-loads each item's query tile, then every key block of
+  the tile's members into a ring of ``STAGES`` (3) K/V shared-memory buffers; each buffer has a
   "K ready", a "V ready" and an "empty" mbarrier;
 * two consumer warpgroups of BM/2 rows, each its own partition (240 registers), that run the
   online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
   j, so the softmax of one block overlaps the tensor cores' work on the other (FA3's intra-
   warpgroup overlap; the softmax sits whole in each branch of the partial-block test, or ptxas
-  hoists the wait for P V above it); with ping-pong the two warpgroups also issue their
+  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch, v15); with
+  ping-pong the two warpgroups also issue their
   matmuls in alternate rounds, so one's softmax runs while the other's matmuls hold the
   tensor cores.
 
@@ -20,11 +28,6 @@ Blocks are walked from each member's first visible key in steps of BN (as in the
 kernel); a block is masked element-wise only when it is not entirely visible to every row.
 Key rows of a partial block past the member's keys are loaded (TMA reads whatever lies there,
 zeros past the tensor's end) and get probability 0, so K/V must be finite everywhere.
-
-By default (``MAGI_GLUON_FWD_PERSIST=1``; x1.00-1.08 on an H100, v19) the launch is persistent,
-one program per SM over a queue of (tile, head) items from the list schedule of the same order
-(``program_order.list_queues``); the ring position and the ping-pong rounds run on from one
-item to the next, and a ``q_empty`` barrier hands the query buffer back to the loader.
 
 Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 """
@@ -36,7 +39,7 @@ import functools
 import torch
 
 from . import program_order
-from .env_config import env_choice, env_config
+from .env_config import env_config
 from .host_cache import upload
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
@@ -70,53 +73,24 @@ def _config(d: int) -> tuple[int, int, int, int, int]:
                       lambda v: v[3] in (1, 2) and v[4] in (0, 1), " with PARTS 1 or 2 and PING 0 or 1")  # type: ignore[return-value]
 
 
-def _join() -> bool:
-    """``MAGI_GLUON_FWD_JOIN=0/1`` (default 1): the softmax of a block in both branches of the
-    partial-block test (1) or the element mask alone in the branch (0, the v8-v14 loop)."""
-    return env_choice("MAGI_GLUON_FWD_JOIN", "1", ("0", "1")) == "1"
-
-
-def _kv_major() -> bool:
-    """``MAGI_GLUON_FWD_ORDER=kv/tile`` (default kv): launch order of the (query tile, query
-    head) programs. ``kv``: the tiles of one KV head's query heads, then the next KV head, so
-    the ~132 resident programs read one KV head's K/V (16 MB at 32k tokens: it stays in L2);
-    ``tile`` (v8-v14): each tile for every head, so programs at different progress read every
-    KV head's K/V (128 MB at 32k, more than the 50 MB L2)."""
-    return env_choice("MAGI_GLUON_FWD_ORDER", "kv", ("kv", "tile")) == "kv"
-
-
-def _persist() -> bool:
-    """``MAGI_GLUON_FWD_PERSIST=0/1`` (default 1): one program per SM that runs a queue of
-    (query tile, head) items (``_queue_table``) instead of one program per item (0). Measured
-    x1.00-1.08 over one program per item on an H100, most on packed documents (v19 notes). The
-    loader loads the next item's query rows and first key blocks while the
-    consumers write the current one's output, and no program launch or setup comes between
-    items: a short item's fixed cost (setup, pipeline fill, output) is an estimated 3 us of a
-    sliding window tile's 21 us (v17 notes). The query buffer is single (no shared memory is
-    left for a second), so its reload waits for both consumers' last matmul of the item."""
-    return env_choice("MAGI_GLUON_FWD_PERSIST", "1", ("0", "1")) == "1"
-
-
-# a persistent item's fixed cost in key blocks (its output and the ring's refill), for the queues
+# an item's fixed cost in key blocks (its output and the ring's refill), for the queues
 PERSIST_ITEM_OVERHEAD_BLOCKS = 0.5
 
 
-def item_tiles(n_tiles: int, hq: int, group: int, kv_major: bool) -> list[int]:
-    """The tile of each program of the launch order, program id = position (``_program_tile``)."""
-    if kv_major:
-        per_kv = n_tiles * group
-        return [(p % per_kv) // group for p in range(n_tiles * hq)]
-    return [p // hq for p in range(n_tiles * hq)]
+def item_tiles(n_tiles: int, hq: int, group: int) -> list[int]:
+    """The tile of each item of the KV-major order, item id = position (``_program_tile``)."""
+    per_kv = n_tiles * group
+    return [(p % per_kv) // group for p in range(n_tiles * hq)]
 
 
 @functools.lru_cache(maxsize=256)
-def _queue_table(work: tuple[int, ...], hq: int, group: int, kv_major: bool, block_keys: int, n_sms: int,
+def _queue_table(work: tuple[int, ...], hq: int, group: int, block_keys: int, n_sms: int,
                  device: torch.device) -> tuple[torch.Tensor, int]:
-    """(queue table, programs) of a persistent launch: the list schedule of the launch order's
-    items on ``n_sms`` SMs (``program_order.list_queues``, item cost: its tile's key blocks),
-    as int32 [programs + 1 offsets, then the items of program 0, 1, ...]."""
+    """(queue table, programs) of a launch: the list schedule of the KV-major order's items on
+    ``n_sms`` SMs (``program_order.list_queues``, item cost: its tile's key blocks), as int32
+    [programs + 1 offsets, then the items of program 0, 1, ...]."""
     blocks = [-(-w // block_keys) + PERSIST_ITEM_OVERHEAD_BLOCKS for w in work]
-    queues = program_order.list_queues([blocks[t] for t in item_tiles(len(work), hq, group, kv_major)], n_sms)
+    queues = program_order.list_queues([blocks[t] for t in item_tiles(len(work), hq, group)], n_sms)
     offsets = [0]
     for qu in queues:
         offsets.append(offsets[-1] + len(qu))
@@ -153,36 +127,30 @@ if AVAILABLE:
         return qs, qe, ks, ke, inv, cau, k_lo, n, j0, gl.maximum(j0, j1)
 
     @gluon.jit
-    def _program_tile(TILES, pid, HQ, N_TILES, GROUP: gl.constexpr, KV_MAJOR: gl.constexpr):
-        """(query head, first row, end row, first member, member count) of program ``pid`` of the
-        launch order (``_kv_major``)."""
-        if KV_MAJOR:  # the tiles x group heads of one KV head, then the next KV head
-            per_kv = N_TILES * GROUP
-            r = pid % per_kv
-            h = (pid // per_kv) * GROUP + r % GROUP
-            t_idx = r // GROUP
-        else:  # each tile for every query head
-            h = pid % HQ
-            t_idx = pid // HQ
+    def _program_tile(TILES, pid, N_TILES, GROUP: gl.constexpr):
+        """(query head, first row, end row, first member, member count) of item ``pid`` of the
+        KV-major order: the tiles x group heads of one KV head, then the next KV head."""
+        per_kv = N_TILES * GROUP
+        r = pid % per_kv
+        h = (pid // per_kv) * GROUP + r % GROUP
+        t_idx = r // GROUP
         tile = TILES + t_idx * 4
         return h, gl.load(tile), gl.load(tile + 1), gl.load(tile + 2), gl.load(tile + 3)
 
     @gluon.jit
     def _queue(QUEUE):
-        """This program's items [lo, hi) of a persistent launch's queue table (``_queue_table``)."""
+        """This program's items [lo, hi) of the launch's queue table (``_queue_table``)."""
         pid = gl.program_id(0)
         return gl.load(QUEUE + pid), gl.load(QUEUE + pid + 1), gl.num_programs(0) + 1
 
     @gluon.jit
     def _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count,
-                   h, hk, j, it, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                   PERSIST: gl.constexpr):
-        """TMA loads of one tile: its query rows (PERSIST: once both consumers are done with the
-        previous tile's, ``q_empty``), then every key block of its members into the ring from
-        position ``j``. Returns the next ring position."""
+                   h, hk, j, it, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """TMA loads of one tile: its query rows (once both consumers are done with the previous
+        tile's, ``q_empty``), then every key block of its members into the ring from position
+        ``j``. Returns the next ring position."""
         q_bar, k_bars, v_bars, empty_bars, _turn_bars, q_empty = bars
-        if PERSIST:
-            mbarrier.wait(q_empty, (it & 1) ^ 1)  # the first tile's passes: a fresh barrier
+        mbarrier.wait(q_empty, (it & 1) ^ 1)  # the first tile's passes: a fresh barrier
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [m0, h * D], q_bar, q_smem)
         for i in range(first, first + count):
@@ -199,22 +167,16 @@ if AVAILABLE:
         return j
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, TILES, QUEUE, m0, t_end, first,
-                count, h, HQ, N_TILES, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, KV_MAJOR: gl.constexpr, PERSIST: gl.constexpr):
-        """The loader warp: the program's tile (given), or each tile of its queue (PERSIST), the
-        ring position running on from one tile to the next."""
-        if PERSIST:
-            lo, hi, items = _queue(QUEUE)
-            j = 0
-            for it in range(lo, hi):
-                h, m0, t_end, first, count = _program_tile(TILES, gl.load(QUEUE + items + it), HQ, N_TILES, GROUP,
-                                                           KV_MAJOR)
-                j = _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first,
-                               count, h, h // GROUP, j, it - lo, BM, BN, D, STAGES, PERSIST)
-        else:
-            _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first, count, h,
-                       h // GROUP, gl.to_tensor(0), 0, BM, BN, D, STAGES, PERSIST)
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, TILES, QUEUE, N_TILES,
+                GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp: each tile of the program's queue, the ring position running on from
+        one tile to the next."""
+        lo, hi, items = _queue(QUEUE)
+        j = 0
+        for it in range(lo, hi):
+            h, m0, t_end, first, count = _program_tile(TILES, gl.load(QUEUE + items + it), N_TILES, GROUP)
+            j = _load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, m0, t_end, first,
+                           count, h, h // GROUP, j, it - lo, BM, BN, D, STAGES)
 
     @gluon.jit
     def _qk(q_smem, k_smem, k_bars, j, s_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -270,31 +232,26 @@ if AVAILABLE:
 
     @gluon.jit
     def _block_softmax(sc, t, kb, m_i, l_i, lo, hi, b1, b2, qk_scale, cap_in, cap_out,
-                       s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr, JOIN: gl.constexpr):
+                       s_layout: gl.constexpr, BN: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
         """``_softmax`` of block ``t``, element-masked when the block is partial (outside the
-        full run [b1, b2)). JOIN: each branch holds a whole softmax, so the wait for the
-        previous P V that follows sits after the branches' join, where ptxas cannot hoist it
-        above the softmax. With the mask alone in the branch (JOIN 0) ptxas placed that wait
-        right after the branch, before the row max: P V no longer overlapped the softmax."""
+        full run [b1, b2)). Each branch holds a whole softmax, so the wait for the previous
+        P V that follows sits after the branches' join, where ptxas cannot hoist it above the
+        softmax. With the mask alone in the branch (v8-v14) ptxas placed that wait right after
+        the branch, before the row max: P V no longer overlapped the softmax."""
         partial = (t < b1) | (t >= b2)
-        if JOIN:
-            if partial:
-                p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
-                                                  s_layout, BN, HAS_SOFTCAP, 1)
-            else:
-                p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
-                                                  s_layout, BN, HAS_SOFTCAP, 0)
+        if partial:
+            p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
+                                              s_layout, BN, HAS_SOFTCAP, 1)
         else:
             p, m_new, l_new, alpha = _softmax(sc, kb, m_i, l_i, lo, hi, partial, qk_scale, cap_in, cap_out,
-                                              s_layout, BN, HAS_SOFTCAP, 2)
+                                              s_layout, BN, HAS_SOFTCAP, 0)
         return p, m_new, l_new, alpha
 
     @gluon.jit
     def _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
                       qk_scale, cap_in, cap_out, j, c, it, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                       STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                      PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr,
-                      PERSIST: gl.constexpr):
+                      PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr):
         """Online softmax of rows [m0 + PART*R, m0 + (PART+1)*R) of one tile, R = BM / PARTS,
         in 4*(2/PARTS) warps, from ring position ``j`` and ping-pong round ``c`` (the program's
         ``it``-th tile); returns the next (j, c). The tile's member bounds (and so the block
@@ -318,7 +275,7 @@ if AVAILABLE:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         q_rows = q_smem.slice(PART * R, R, dim=0)
         mbarrier.wait(q_bar, it & 1)
-        last_n = gl.to_tensor(0)  # (PERSIST) key blocks of the last member seen
+        last_n = gl.to_tensor(0)  # key blocks of the last member seen
         for i in range(first, first + count):
             qs, qe, ks, ke, inv, cau, k_lo, n, b1, b2 = _member_keys(META, MEMBERS, i, m0, t_end, BM, BN)
             last_n = n
@@ -332,7 +289,7 @@ if AVAILABLE:
                 c += 1
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p, m_i, l_i, alpha = _block_softmax(sc, 0, k_lo, m_i, l_i, lo, hi, b1, b2, qk_scale, cap_in,
-                                                    cap_out, s_layout, BN, HAS_SOFTCAP, JOIN)
+                                                    cap_out, s_layout, BN, HAS_SOFTCAP)
                 acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                 for t in range(1, n):
                     pop = gl.convert_layout(p.to(dtype), p_layout)
@@ -343,14 +300,13 @@ if AVAILABLE:
                     c += 1
                     sc = warpgroup_mma_wait(1, deps=(sc,))  # S done, P V may still run
                     p, m_i, l_i, alpha = _block_softmax(sc, t, k_lo + t * BN, m_i, l_i, lo, hi, b1, b2,
-                                                        qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP, JOIN)
+                                                        qk_scale, cap_in, cap_out, s_layout, BN, HAS_SOFTCAP)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     mbarrier.arrive(empty_bars.index(j % STAGES))
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
                     j += 1
-                if PERSIST:
-                    if i == first + count - 1:  # the tile's last S is done: the loader may reload Q
-                        mbarrier.arrive(q_empty)  # (one P V earlier than after the member loop)
+                if i == first + count - 1:  # the tile's last S is done: the loader may reload Q
+                    mbarrier.arrive(q_empty)  # (one P V earlier than after the member loop)
                 pop = gl.convert_layout(p.to(dtype), p_layout)
                 _take_turn(turn_bars, c, PART, PINGPONG)
                 acc = _pv(pop, v_smem, v_bars, acc, j, STAGES)
@@ -359,9 +315,8 @@ if AVAILABLE:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty_bars.index(j % STAGES))
                 j += 1
-        if PERSIST:
-            if last_n == 0:  # no block in the last member (or no member): released here instead
-                mbarrier.arrive(q_empty)
+        if last_n == 0:  # no block in the last member (or no member): released here instead
+            mbarrier.arrive(q_empty)
 
         l_safe, lse = softmax_lse(l_i, m_i)
         o = acc / gl.convert_layout(l_safe, orow_layout)[:, None]
@@ -382,38 +337,26 @@ if AVAILABLE:
         return j, c
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count, h, HQ,
-                  N_TILES, qk_scale, cap_in, cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr,
-                  PART: gl.constexpr, PARTS: gl.constexpr, PING: gl.constexpr, JOIN: gl.constexpr,
-                  KV_MAJOR: gl.constexpr, PERSIST: gl.constexpr):
-        """A consumer partition: the program's tile (given), or each tile of its queue (PERSIST)."""
-        if PERSIST:
-            lo, hi, items = _queue(QUEUE)
-            j = 0  # ring position of the next block
-            c = 0  # matmul-issue rounds (ping-pong)
-            for it in range(lo, hi):
-                h, m0, t_end, first, count = _program_tile(TILES, gl.load(QUEUE + items + it), HQ, N_TILES, GROUP,
-                                                           KV_MAJOR)
-                j, c = _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h,
-                                     HQ, qk_scale, cap_in, cap_out, j, c, it - lo, BM, BN, D, STAGES, HAS_SOFTCAP,
-                                     ACCUM, PART, PARTS, PING, JOIN, PERSIST)
-        else:
-            # (a constant ring position would be a constexpr, which the block loops cannot carry)
-            _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h, HQ,
-                          qk_scale, cap_in, cap_out, gl.to_tensor(0), gl.to_tensor(0), 0, BM, BN, D, STAGES,
-                          HAS_SOFTCAP, ACCUM, PART, PARTS, PING, JOIN, PERSIST)
+    def _consumer(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, HQ, N_TILES, qk_scale, cap_in,
+                  cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PART: gl.constexpr,
+                  PARTS: gl.constexpr, PING: gl.constexpr):
+        """A consumer partition: each tile of the program's queue."""
+        lo, hi, items = _queue(QUEUE)
+        j = 0  # ring position of the next block
+        c = 0  # matmul-issue rounds (ping-pong)
+        for it in range(lo, hi):
+            h, m0, t_end, first, count = _program_tile(TILES, gl.load(QUEUE + items + it), N_TILES, GROUP)
+            j, c = _consume_tile(q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, m0, t_end, first, count, h,
+                                 HQ, qk_scale, cap_in, cap_out, j, c, it - lo, BM, BN, D, STAGES, HAS_SOFTCAP,
+                                 ACCUM, PART, PARTS, PING)
 
     @gluon.jit
     def _fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, META, TILES, MEMBERS, QUEUE, HQ, N_TILES, qk_scale, cap_in,
                        cap_out, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                        STAGES: gl.constexpr, HAS_SOFTCAP: gl.constexpr, ACCUM: gl.constexpr, PARTS: gl.constexpr,
-                       PING: gl.constexpr, JOIN: gl.constexpr, KV_MAJOR: gl.constexpr, PERSIST: gl.constexpr):
-        if PERSIST:  # the partitions walk this program's queue of tiles (``_queue``)
-            h, m0, t_end, first, count = 0, 0, 0, 0, 0
-        else:
-            h, m0, t_end, first, count = _program_tile(TILES, gl.program_id(0), HQ, N_TILES, GROUP, KV_MAJOR)
-
+                       PING: gl.constexpr):
+        # (the partitions walk this program's queue of tiles, ``_queue``)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, D], v_desc.layout)
@@ -429,46 +372,37 @@ if AVAILABLE:
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(turn_bars.index(s), count=1)
-        if PERSIST:  # the query tile's buffer is free again: both consumers' matmuls of it are done
-            q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(q_empty, count=PARTS)
-        else:
-            q_empty = turn_bars.index(0)  # a stand-in, not used (passing q_bar twice shifts the partitions' arguments)
+        # the query tile's buffer is free again: both consumers' matmuls of it are done
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=PARTS)
         bars = (q_bar, k_bars, v_bars, empty_bars, turn_bars, q_empty)
 
-        loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, TILES, QUEUE, m0, t_end,
-                       first, count, h, HQ, N_TILES, GROUP, BM, BN, D, STAGES, KV_MAJOR, PERSIST)
+        loader_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, META, MEMBERS, TILES, QUEUE, N_TILES,
+                       GROUP, BM, BN, D, STAGES)
         if PARTS == 1:  # both warpgroups in one 8-warp partition
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count,
-                             h, HQ, N_TILES, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0,
-                             1, PING, JOIN, KV_MAJOR, PERSIST)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, HQ, N_TILES, qk_scale,
+                             cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 1, PING)),
                 (_loader, loader_args)], [1], [LOADER_REGS])
         else:  # one partition per warpgroup: they synchronise only through the mbarriers
             # (the argument tuples written out: a tuple built with + loses its constexprs)
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count,
-                             h, HQ, N_TILES, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0,
-                             2, PING, JOIN, KV_MAJOR, PERSIST)),
-                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, m0, t_end, first, count,
-                             h, HQ, N_TILES, qk_scale, cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1,
-                             2, PING, JOIN, KV_MAJOR, PERSIST)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, HQ, N_TILES, qk_scale,
+                             cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 0, 2, PING)),
+                (_consumer, (q_smem, k_smem, v_smem, bars, O, LSE, META, MEMBERS, TILES, QUEUE, HQ, N_TILES, qk_scale,
+                             cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     def launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, accum):
         """One launch over the query tiles x heads (tile tables of block ``CONFIGS[d][0]``; ``work``:
-        the host copy of each tile's visible keys, which sets a persistent launch's queues)."""
+        the host copy of each tile's visible keys, which sets the programs' queues)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
         BM, BN, stages, parts, ping = _config(d)
-        n_tiles, kv_major, persist = len(work), _kv_major(), _persist()
-        if persist:
-            queue, programs = _queue_table(work, hq, hq // hk, kv_major, BN, sm_count(q.device), q.device)
-        else:
-            queue, programs = tiles, n_tiles * hq  # (the queue is not read)
+        queue, programs = _queue_table(work, hq, hq // hk, BN, sm_count(q.device), q.device)
         _fwd_ws_kernel[(programs,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, queue, hq,
-            n_tiles, qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
-            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), JOIN=_join(), KV_MAJOR=kv_major,
-            PERSIST=persist, num_warps=8 // parts, maxnreg=MAX_REGS,
+            len(work), qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
+            HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), num_warps=8 // parts,
+            maxnreg=MAX_REGS,
         )

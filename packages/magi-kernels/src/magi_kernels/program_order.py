@@ -24,7 +24,7 @@ host-side work counts (no device reads); the caller (``gluon_bwd``) caches the t
 tuple (0.2-3 ms to build at 8k-128k tokens).
 
 ``list_queues`` replays the same list schedule for a persistent launch (one program per SM that
-walks a queue of work items, ``gluon_fwd``'s ``MAGI_GLUON_FWD_PERSIST``): each SM's queue holds
+walks a queue of work items, ``gluon_fwd``): each SM's queue holds
 the items it would have started, in order, so the persistent launch keeps the order's locality
 and its tail.
 """

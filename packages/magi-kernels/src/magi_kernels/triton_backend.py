@@ -35,8 +35,10 @@ import torch
 from magi_solver.mask import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
-from .env_config import env_choice, env_config
+from .env_config import env_choice, env_config, warn_removed_switches
 from .host_cache import per_tensor, upload
+
+warn_removed_switches()  # once per process: a removed variant's switch must not look as if it took effect
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
@@ -270,9 +272,9 @@ if AVAILABLE:
     @triton.jit
     def _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                   BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  TMA: tl.constexpr, WS: tl.constexpr = False):
+                  TMA: tl.constexpr):
         kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
-        for kb in tl.range(start, end, BN, warp_specialize=WS):
+        for kb in tl.range(start, end, BN):
             cols = kb + tl.arange(0, BN)
             if TMA and not MASKED:  # full blocks: rows lie inside the slice, no bounds to mask
                 k = KD.load([kb, hk * D])
@@ -301,7 +303,7 @@ if AVAILABLE:
         Q, K, V, KD, VD, O, LSE, META, TILES, MEMBERS,
         HQ, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr,
     ):
         h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp = _q_tile(
             Q, K, V, TILES, tl.program_id(0), HQ, GROUP, BM, D)
@@ -315,7 +317,7 @@ if AVAILABLE:
             acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, k_lo, b1, k_hi, lo, hi, qk_scale,
                                       cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
             acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b1, b2, k_hi, lo, hi, qk_scale,
-                                      cap_in, cap_out, BN, D, False, HAS_SOFTCAP, TMA, WS)
+                                      cap_in, cap_out, BN, D, False, HAS_SOFTCAP, TMA)
             acc, l_i, m_i = _fwd_runs(acc, l_i, m_i, q, Kp, Vp, KD, VD, hk, skt, b2, k_hi, k_hi, lo, hi, qk_scale,
                                       cap_in, cap_out, BN, D, True, HAS_SOFTCAP, TMA)
         l_safe, lse = softmax_lse(l_i, m_i)
@@ -347,10 +349,9 @@ if AVAILABLE:
 
     @triton.jit
     def _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, start, end, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 WS: tl.constexpr = False):
+                 BN: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
         kp, vp = _kv_block_ptrs(Kp, Vp, skt, start, BN, D)
-        for kb in tl.range(start, end, BN, warp_specialize=WS):
+        for kb in tl.range(start, end, BN):
             cols = kb + tl.arange(0, BN)
             k, v = _load_kv(kp, vp, cols, k_hi, MASKED)
             s, th = _scores(q, tl.trans(k), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
@@ -371,7 +372,7 @@ if AVAILABLE:
         Q, K, V, DO, LSE2, DELTA, DQ, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, WS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr,
     ):
         h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp = _q_tile(Q, K, V, TILES, pid, HQ, GROUP, BM, D)
         skt = HQ // GROUP * D
@@ -386,7 +387,7 @@ if AVAILABLE:
             dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, k_lo, b1, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                           BN, D, True, HAS_SOFTCAP)
             dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b1, b2, k_hi, lo, hi, qk_scale, cap_in, cap_out,
-                          BN, D, False, HAS_SOFTCAP, WS)
+                          BN, D, False, HAS_SOFTCAP)
             dq = _dq_runs(dq, q, do, lse2, delta, Kp, Vp, skt, b2, k_hi, k_hi, lo, hi, qk_scale, cap_in, cap_out,
                           BN, D, True, HAS_SOFTCAP)
         dq = dq * scale
@@ -398,11 +399,11 @@ if AVAILABLE:
     def _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, start, end, q_hi, cols, qs, qe, ks, ke,
                    inv, cau, scale, qk_scale, cap_in, cap_out,
                    BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   DQ_MODE: tl.constexpr, WS: tl.constexpr = False):
+                   DQ_MODE: tl.constexpr):
         d = tl.arange(0, D)
         locT = tl.arange(0, BM)[None, :] * sqt + d[:, None]  # [D, BM] offsets of q^T in a block
         loc = tl.arange(0, BM)[:, None] * sqt + d[None, :]
-        for mb in tl.range(start, end, BM, warp_specialize=WS):
+        for mb in tl.range(start, end, BM):
             # block pointers are rebuilt from the 64-bit row offset each step: carrying pointer
             # tensors (or the offset) through the pipelined loop spills dK/dV at BM=64
             row0 = tl.cast(mb, tl.int64) * sqt
@@ -449,7 +450,7 @@ if AVAILABLE:
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, DQD, META, TILES, MEMBERS, pid, T,
         HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DQ_MODE: tl.constexpr, WS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DQ_MODE: tl.constexpr,
     ):
         HK = HQ // GROUP
         hk, n0, t_end, first, count = _tile(TILES, pid, HK)
@@ -483,7 +484,7 @@ if AVAILABLE:
                                     DQ_MODE)
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b1, b2, q_hi, cols, qs, qe,
                                     ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BM, D, False, HAS_SOFTCAP,
-                                    DQ_MODE, WS)
+                                    DQ_MODE)
                 dk, dv = _dkdv_runs(dk, dv, k, v, Qp, DOp, LSEp, DELp, DQp, DQD, h, sqt, b2, q_hi, q_hi, cols, qs, qe,
                                     ks, ke, inv, cau, scale, qk_scale, cap_in, cap_out, BMP, D, True, HAS_SOFTCAP,
                                     DQ_MODE)
@@ -501,7 +502,7 @@ if AVAILABLE:
         T, HQ, scale, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM1: tl.constexpr, BN1: tl.constexpr, BM2: tl.constexpr, BN2: tl.constexpr,
         D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, DO_KV: tl.constexpr, DO_Q: tl.constexpr,
-        DQ_MODE: tl.constexpr, WS: tl.constexpr,
+        DQ_MODE: tl.constexpr,
     ):
         """Programs [0, n_kv) are dK/dV programs, the rest dQ programs: with one layer on each
         axis both run in one launch (no tail between them, both kinds resident together). With
@@ -510,10 +511,10 @@ if AVAILABLE:
         pid = tl.program_id(0)
         if DO_KV and pid < n_kv:
             _dkdv_program(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, DQD, KV_META, KV_TILES, KV_MEMBERS, pid, T, HQ,
-                          scale, qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, DQ_MODE, WS)
+                          scale, qk_scale, cap_in, cap_out, GROUP, BM1, BN1, D, HAS_SOFTCAP, ACCUM, DQ_MODE)
         elif DO_Q:
             _dq_program(Q, K, V, DO, LSE2, DELTA, DQ, Q_META, Q_TILES, Q_MEMBERS, pid - n_kv, T, HQ, scale,
-                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM, WS)
+                        qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
 
 
 def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
@@ -670,7 +671,7 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
         _fwd_kernel[(n * hq,)](
             q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=tma,
-            WS=env_choice("MAGI_TRITON_WS", "0", ("0", "1")) == "1", num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages,
         )
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
@@ -742,7 +743,7 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
             DO_KV=kv_layer is not None, DO_Q=q_layer is not None, DQ_MODE=DQ_MODES[dq_mode],
-            WS=env_choice("MAGI_TRITON_BWD_WS", "0", ("0", "1")) == "1", num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages,
         )
 
     if dq_mode != "split":  # the dK/dV programs add dQ: no dQ programs
@@ -750,8 +751,9 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             launch(layer, None, li > 0, warps1, stages1)
         return dq, dk, dv
 
-    fused = (len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
-             and env_choice("MAGI_TRITON_BWD_FUSE", "1", ("0", "1")) == "1")
+    # dK/dV and dQ programs in one launch where one layer on each axis allows it (no tail between
+    # them, both kinds resident together: 358 vs 330 TFLOP/s at 16k full over two launches, v4)
+    fused = len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
     if fused:
         launch(kv_layers[0], q_layers[0], False, warps1, stages1)
     else:  # layers after the first read-modify-write the previous ones: one launch per layer
