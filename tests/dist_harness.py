@@ -8,7 +8,7 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from magi_attn.launch import free_port
+from magi_attn.launch import exit_worker, free_port
 
 
 def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
@@ -21,9 +21,8 @@ def _worker(rank: int, world: int, port: int, fn, args, errors) -> None:
         fn(rank, world, *args)
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         errors.put((rank, traceback.format_exc()))
-    finally:  # failures were reported above; leave through a normal return
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    finally:  # failures were reported above
+        exit_worker(0)
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 600.0) -> None:

@@ -372,3 +372,33 @@ def _check_gluon_backward(slices, S, hq, hk, softcap, monkeypatch):
     out_t, _ = flex_flash_attn_func(q, k, v, *args, softcap=softcap, backend="triton")
     for name, a, b in zip("qkv", grads, torch.autograd.grad(out_t, (q, k, v), g)):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2, msg=f"d{name} vs Triton")
+
+
+@pytest.mark.parametrize("case", ["varlen_block_causal", "mixed_overlapping"])
+@pytest.mark.parametrize("d,dv,sink_shape", [(128, 128, (8,)), (192, 128, None), (192, 128, (8,)), (64, 128, (2, 8))])
+def test_triton_sinks_and_value_head_dim(case, d, dv, sink_shape):
+    """GPT-OSS sinks and MLA's 192/128 head dims through the GPU kernels, fwd and bwd (the sink's
+    gradient too), against float64 dense of the same rounded inputs."""
+    slices, S = _ragged_cases()[case]
+    torch.manual_seed(1)
+    q, k = (torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2))
+    v = torch.randn(S, 2, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sink = None if sink_shape is None else torch.randn(sink_shape, device="cuda", requires_grad=True)
+    out, lse = flex_flash_attn_func(q, k, v, [s[:2] for s in slices], [s[2:4] for s in slices],
+                                    [s[4] for s in slices], backend="triton", sink=sink)
+    g = torch.randn_like(out, dtype=torch.float64)
+    (out.double() * g).sum().backward()
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_sink = None if sink is None else sink.detach().double().requires_grad_()
+    ro, rl = dense_attention(*ref_in, dense_mask(slices, S, S, device="cuda"), sink=ref_sink)
+    (ro * g).sum().backward()
+    tol = 2e-2
+    torch.testing.assert_close(out.double(), ro, atol=tol, rtol=tol)
+    fin = torch.isfinite(rl)
+    torch.testing.assert_close(lse.double()[fin], rl[fin], atol=tol, rtol=tol)
+    grads = [(q.grad, ref_in[0].grad), (k.grad, ref_in[1].grad), (v.grad, ref_in[2].grad)]
+    if sink is not None:  # a sum over every row of the sequence: compared relative to its size, as the others
+        grads.append((sink.grad, ref_sink.grad))
+    for a, b in grads:
+        scale = b.abs().max().clamp(min=1)
+        assert ((a.double() - b).abs().max() / scale) < 4 * tol

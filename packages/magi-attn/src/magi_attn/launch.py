@@ -8,20 +8,22 @@ Two ways, one code path:
 * spawned: nothing launched it, so it starts ``nprocs`` local workers on this host itself and gives
   each the same environment a launcher would (loopback address, a free port).
 
-Either way every worker runs ``fn(env, *args)`` and the caller gets rank 0's return value. Workers
-leave through a normal return after ``destroy_process_group`` (no ``os._exit``: that skipped the
-release of tqdm's semaphores and left a "leaked semaphore" warning at every exit).
+Either way every worker runs ``fn(env, *args)`` and the caller gets rank 0's return value. A
+spawned worker leaves through :func:`exit_worker` once its result is delivered.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import multiprocessing.util
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -96,6 +98,23 @@ def init_worker(env: WorkerEnv, use_cuda: bool, timeout_s: float | None = DEFAUL
     return torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
 
 
+def exit_worker(code: int = 0) -> NoReturn:
+    """Leave a worker process whose work is delivered, skipping the interpreter's teardown.
+
+    gloo's C++ threads can abort that teardown ("terminate called without an active exception",
+    SIGABRT) after all work is done, so the process leaves with ``os._exit``. multiprocessing's
+    exit hooks run first: they release the semaphores the process created (tqdm's write lock,
+    for one), which ``os._exit`` alone would leave to a "leaked semaphore" warning.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    multiprocessing.util._exit_function()  # the atexit hook of multiprocessing: runs its finalizers
+    os._exit(code)
+
+
 def _spawned_worker(local_rank: int, nprocs: int, port: int, result_path: str, fn: Callable, args: tuple) -> None:
     # the environment torchrun would give a worker on one host; nothing of an outer launcher leaks in
     for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")]:
@@ -111,6 +130,7 @@ def _spawned_worker(local_rank: int, nprocs: int, port: int, result_path: str, f
     if env.is_main:
         with open(result_path, "wb") as f:
             pickle.dump(result, f)
+    exit_worker(0)
 
 
 def run_workers(fn: Callable[..., Any], nprocs: int, *args: Any) -> Any:
