@@ -57,6 +57,21 @@ def test_torchrun_one_host_matches_the_spawned_run(spawned):
     assert report["imbalance"] == spawned["imbalance"]
 
 
+def _communicate_together(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    """Wait for all; once one fails (or the time is up) the others are killed instead of
+    waiting for a rendezvous that can no longer complete, and every one's output is returned."""
+    import time
+
+    deadline = time.monotonic() + TIMEOUT
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.2)
+    return [p.communicate() for p in procs]
+
+
 def test_torchrun_two_hosts_rendezvous_from_the_environment(spawned):
     """Two torchrun agents (--nnodes 2) meet at MASTER_ADDR:MASTER_PORT, as on two hosts."""
     port = str(free_port())
@@ -64,7 +79,7 @@ def test_torchrun_two_hosts_rendezvous_from_the_environment(spawned):
                                         "--master-addr", "127.0.0.1", "--master-port", port, "-m", "magi_attn.cli", *RUN),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
              for n in range(2)]
-    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    outs = _communicate_together(procs)
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     report = json.loads(outs[0][0])
     assert outs[1][0].strip() == ""  # only global rank 0 reports
