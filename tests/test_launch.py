@@ -57,9 +57,9 @@ def test_torchrun_one_host_matches_the_spawned_run(spawned):
     assert report["imbalance"] == spawned["imbalance"]
 
 
-def _communicate_together(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
+def _wait_together(procs: list[subprocess.Popen], logs: list) -> list[tuple[str, str]]:
     """Wait for all; once one fails (or the time is up) the others are killed instead of
-    waiting for a rendezvous that can no longer complete, and every one's output is returned."""
+    waiting for a rendezvous that can no longer complete. Returns each one's (stdout, stderr)."""
     import time
 
     deadline = time.monotonic() + TIMEOUT
@@ -67,19 +67,19 @@ def _communicate_together(procs: list[subprocess.Popen]) -> list[tuple[str, str]
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
             for p in procs:
                 p.kill()
-            break
         time.sleep(0.2)
-    return [p.communicate() for p in procs]
+    return [(out.read_text(), err.read_text()) for out, err in logs]
 
 
-def test_torchrun_two_hosts_rendezvous_from_the_environment(spawned):
+def test_torchrun_two_hosts_rendezvous_from_the_environment(spawned, tmp_path):
     """Two torchrun agents (--nnodes 2) meet at MASTER_ADDR:MASTER_PORT, as on two hosts."""
     port = str(free_port())
+    logs = [(tmp_path / f"out{n}", tmp_path / f"err{n}") for n in range(2)]
     procs = [subprocess.Popen(_torchrun("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
                                         "--master-addr", "127.0.0.1", "--master-port", port, "-m", "magi_attn.cli", *RUN),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                              stdout=open(logs[n][0], "w"), stderr=open(logs[n][1], "w"), env=_env())
              for n in range(2)]
-    outs = _communicate_together(procs)
+    outs = _wait_together(procs, logs)
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     report = json.loads(outs[0][0])
     assert outs[1][0].strip() == ""  # only global rank 0 reports
