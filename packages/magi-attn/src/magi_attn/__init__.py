@@ -27,7 +27,7 @@ from .api import (
 )
 from .config import DistAttnConfig
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 _level = os.environ.get("MAGI_LOG_LEVEL")
 if _level:

@@ -13,7 +13,7 @@ from .group_collective import (
     reduce_index_plan,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 __all__ = [
     "COMM_STATS",

@@ -3,7 +3,7 @@
 from .interface import BACKENDS, ffa_bwd, ffa_fwd, flex_flash_attn_func, resolve_backend, run_backward, run_forward
 from .lse import merge_out_lse
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 __all__ = ["BACKENDS", "ffa_bwd", "ffa_fwd", "flex_flash_attn_func", "merge_out_lse", "resolve_backend", "run_backward",
            "run_forward"]
