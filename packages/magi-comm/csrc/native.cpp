@@ -82,6 +82,9 @@ PYBIND11_MODULE(_native, m) {
         py::arg("output_split_sizes"), py::arg("src_index"), py::arg("world"));
 #ifdef MAGI_WITH_CUDA
   m.attr("WITH_CUDA") = true;
+  // what the kernels were compiled for (CMake CUDA_ARCHITECTURES entries, comma-separated);
+  // magi_comm.native checks the GPU's compute capability against it before launching
+  m.attr("CUDA_ARCHS") = MAGI_CUDA_ARCHS_STR;
   m.def("copy_rows", &copy_rows,
         "dst[dst_index[i]] = src[src_index[i]] for rows of row_bytes bytes; an index pointer of 0 means identity",
         py::arg("src"), py::arg("dst"), py::arg("src_index"), py::arg("dst_index"), py::arg("n_rows"), py::arg("row_bytes"),
@@ -91,5 +94,6 @@ PYBIND11_MODULE(_native, m) {
         py::arg("stream"));
 #else
   m.attr("WITH_CUDA") = false;
+  m.attr("CUDA_ARCHS") = "";
 #endif
 }

@@ -1,4 +1,4 @@
-// Row copy / add kernels for the group collectives (sm_90): one block per row, optional index
+// Row copy / add kernels for the group collectives (any sm_80+; built for the archs CMake picks): one block per row, optional index
 // on either side, so a gather, a scatter, or a fused gather-transfer-scatter into a peer's
 // (CUDA IPC mapped) buffer is one launch.
 #include <cuda_runtime.h>

@@ -30,7 +30,7 @@ from .config import DistAttnConfig
 from .launch import WorkerEnv, init_worker, launched_env, run_workers
 from magi_comm import PeerFailureError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 _level = os.environ.get("MAGI_LOG_LEVEL")
 if _level:

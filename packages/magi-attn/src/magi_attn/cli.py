@@ -139,6 +139,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     import magi_comm
     import magi_kernels
     import magi_solver
+    from magi_comm import native
 
     from . import __version__
     from magi_kernels.interface import _triton_module
@@ -147,7 +148,12 @@ def cmd_env(args: argparse.Namespace) -> int:
         "magi_attn": __version__, "magi_solver": magi_solver.__version__, "magi_kernels": magi_kernels.__version__,
         "magi_comm": magi_comm.__version__, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
         "triton_backend": _triton_module() is not None,
+        # what magi-comm's native extension was built with, and whether it runs on this GPU
+        "comm_native": {"available": native.AVAILABLE, "with_cuda": native.WITH_CUDA,
+                        "cuda_archs": list(native.CUDA_ARCHS), "reason": native.REASON},
     }
+    if native.WITH_CUDA and torch.cuda.is_available():
+        info["comm_native"]["this_gpu"] = native.cuda_usable(torch.cuda.current_device())[1]
     print(json.dumps(info, indent=2))
     return 0
 

@@ -14,7 +14,7 @@ from .group_collective import (
 )
 from .waiting import DEFAULT_TIMEOUT_S, PeerFailureError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 __all__ = [
     "COMM_STATS", "DEFAULT_TIMEOUT_S", "PeerFailureError",

@@ -21,19 +21,22 @@ from . import native
 from .group_collective import cast_index_plan, reduce_index_plan
 
 
-def ipc_supported() -> tuple[bool, str]:
+def ipc_supported(device: torch.device | None = None) -> tuple[bool, str]:
+    """``(ok, why)`` for the IPC path on ``device`` (default: the current CUDA device)."""
     if not native.WITH_CUDA:
         return False, native.REASON or "magi_comm._native was built without CUDA"
     if not torch.cuda.is_available():
         return False, "no CUDA device"
-    return True, ""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    ok, why = native.cuda_usable(index)  # were the kernels compiled for this GPU?
+    return (True, "") if ok else (False, why)
 
 
 class IpcArena:
     """One device buffer per rank, mapped into every rank of ``group`` (same host)."""
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
-        ok, why = ipc_supported()
+        ok, why = ipc_supported(torch.device(device))
         if not ok:
             raise RuntimeError(f"CUDA IPC group collectives are unavailable: {why}; use the a2a backend")
         from torch.multiprocessing.reductions import reduce_tensor

@@ -16,7 +16,7 @@ from .planner import DistAttnPlan, RankCalcPlan
 from .ranges import AttnRange, AttnRanges
 from .remap import local_slices, slices_over
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "Band", "DispatchConfig", "DispatchPlan",
