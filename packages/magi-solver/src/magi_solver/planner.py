@@ -91,7 +91,8 @@ class DistAttnPlan:
         self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
         self.overlap_config = overlap_config
         if dispatch is None:
-            self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen, cp_size, dispatch_config or DispatchConfig())
+            config = dispatch_config or DispatchConfig()
+            self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen, cp_size, config)
         else:
             _check_reused_dispatch(dispatch, total_seqlen, cp_size, dispatch_config)
             self.dispatch = dispatch.for_slices(slices)
