@@ -32,9 +32,10 @@ def _config(spec):
                           kernel_backend="torch", **spec.get("comm", {}))
 
 
-def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0, sink_shape=None, dv=D):
+def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0, sink_shape=None, dv=D, key=None):
     """``sink_shape``: learnable sinks of that shape (their gradient summed over the ranks);
-    ``dv``: the value head dim (MLA-like when it differs from D)."""
+    ``dv``: the value head dim (MLA-like when it differs from D); ``key``: a key of ``slices``
+    made elsewhere (e.g. over another key's placement), else one is made from ``cfg_name``."""
     from magi_attn import calc_attn, dispatch, magi_attn_flex_key, undispatch
     from magi_kernels.testing import dense_attention, dense_mask
 
@@ -44,10 +45,11 @@ def check_case(name, slices, S, cfg_name, group, rank, softcap=0.0, sink_shape=N
     sink = None if sink_shape is None else torch.randn(sink_shape, generator=gen, dtype=torch.float32)
     g_out = torch.randn(S, HQ, dv, generator=gen, dtype=torch.float64)
     g_lse = torch.randn(S, HQ, generator=gen, dtype=torch.float64)
-    key = magi_attn_flex_key(
-        [s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], S, S, HQ, HK, D,
-        group, _config(CONFIGS[cfg_name]),
-    )
+    if key is None:
+        key = magi_attn_flex_key(
+            [s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], S, S, HQ, HK, D,
+            group, _config(CONFIGS[cfg_name]),
+        )
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     sd = None if sink is None else sink.clone().requires_grad_()
     out_l, lse_l = calc_attn(dispatch(qd, key), dispatch(kd, key), dispatch(vd, key), key, softcap=softcap, sink=sd)

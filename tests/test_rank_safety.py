@@ -218,3 +218,22 @@ def _flex_key_with_other_mask_and_same_sizes(rank: int, world: int) -> None:
 
 def test_flex_keys_with_equal_sizes_but_other_masks_fail():
     run_distributed(_flex_key_with_other_mask_and_same_sizes, 2)
+
+
+def _new_mask_key_over_other_bases(rank: int, world: int) -> None:
+    # both bases agree across ranks; only the base each rank picks for the new mask differs
+    from magi_attn import magi_attn_varlen_key_for_new_mask
+
+    cu = [0, 24, SEQ]
+    causal = magi_attn_varlen_key(cu, cu, HQ, HK, D, dist.group.WORLD, causal=True)
+    full = magi_attn_varlen_key(cu, cu, HQ, HK, D, dist.group.WORLD)
+    base = causal if rank == 0 else full
+    with pytest.raises(PlanMismatchError, match=r"dispatch placement \(the base key's mask, for a new-mask key\): "
+                                                r"differs \(rank 0 / rank 1 hold different values\)") as err:
+        magi_attn_varlen_key_for_new_mask(base, cu, cu, causal=True, window_size=(5, 0))
+    assert "mask slices" not in str(err.value)  # the new mask itself agrees
+    _same_on_every_rank(str(err.value))
+
+
+def test_new_mask_keys_over_different_bases_fail_naming_the_placement():
+    run_distributed(_new_mask_key_over_other_bases, 2)

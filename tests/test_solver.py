@@ -269,6 +269,74 @@ class TestCommPlan:
         assert got == total
 
 
+def plan_cells(plan):
+    """Every global (q, k) cell the plan's kernel slices compute, over all ranks and stages, as a
+    list (a cell computed twice appears twice)."""
+    d = plan.dispatch
+    cells = []
+    for r in range(plan.cp_size):
+        local_q = [t for c in d.partitions[r] for t in range(c * d.chunk_size, (c + 1) * d.chunk_size)]
+        calc = plan.calc_plan(r)
+        buffers = [local_q] + [[t for x in plan.stage_ranges[s][r] for t in range(x.start, x.end)]
+                               for s in range(plan.num_stages)]
+        for buf, slices in zip(buffers, (calc.host, *calc.stages)):
+            cells.extend((local_q[q], buf[k]) for q, k in brute_cells(slices))
+    return cells
+
+
+MASKS_OVER_ONE_DISPATCH = {
+    "full_docs": varlen_slices([0, 13, 40, 41, 77, 101]),
+    "window_7_0": varlen_slices([0, 13, 40, 41, 77, 101], causal=True, window_size=(7, 0)),
+    "window_3_3": varlen_slices([0, 13, 40, 41, 77, 101], window_size=(3, 3)),
+    "whole_sequence_causal": varlen_slices([0, 101], causal=True),
+    "flex": [AttnSlice.make((0, 30), (60, 101)), AttnSlice.make((50, 101), (0, 50), "inv_causal")],
+}
+
+
+class TestReusedDispatch:
+    """A plan over another mask's dispatch keeps every token where it was and still computes
+    exactly the new mask's cells, each once."""
+
+    BASE = varlen_slices([0, 13, 40, 41, 77, 101], causal=True)
+
+    @pytest.mark.parametrize("name", list(MASKS_OVER_ONE_DISPATCH))
+    @pytest.mark.parametrize("cp,degree", [(1, 1), (2, 1), (3, 2), (4, 3), (4, 0)])
+    def test_new_mask_over_base_placement(self, name, cp, degree):
+        slices = MASKS_OVER_ONE_DISPATCH[name]
+        base = DistAttnPlan(self.BASE, 101, cp, dispatch_config=DispatchConfig(chunk_size=4))
+        overlap = OverlapConfig(degree=degree, min_chunk_size=3)
+        plan = DistAttnPlan(slices, 101, cp, overlap_config=overlap, dispatch=base.dispatch)
+        d, b = plan.dispatch, base.dispatch
+        assert (d.partitions, d.chunk_size, d.padded_seqlen) == (b.partitions, b.chunk_size, b.padded_seqlen)
+        assert [d.position_ids(r) for r in range(cp)] == [b.position_ids(r) for r in range(cp)]
+        assert sum(d.chunk_areas) == sum(s.area for s in slices)  # the new mask's areas, not the base's
+        cells = plan_cells(plan)
+        assert len(cells) == len(set(cells)) and set(cells) == brute_cells(slices)
+
+    def test_placement_is_not_rebalanced(self):
+        """Over a placement balanced for the base, an unrelated mask keeps its imbalance."""
+        base = DistAttnPlan(varlen_slices([0, 256], causal=True), 256, 4, dispatch_config=DispatchConfig(chunk_size=16))
+        fresh = DistAttnPlan(varlen_slices([0, 256], causal=True, window_size=(15, 0)), 256, 4,
+                             dispatch_config=DispatchConfig(chunk_size=16, alg="sequential"))
+        reused = DistAttnPlan(fresh.slices, 256, 4, dispatch=base.dispatch)
+        assert reused.dispatch.partitions == base.dispatch.partitions != fresh.dispatch.partitions
+        assert reused.summary()["imbalance"] == round(reused.dispatch.imbalance(), 4)
+
+    def test_errors_name_the_mismatch(self):
+        base = DistAttnPlan(self.BASE, 101, 2)
+        with pytest.raises(ValueError, match=r"dispatch places total_seqlen=101 tokens but the slices are over "
+                                             r"total_seqlen=90"):
+            DistAttnPlan(varlen_slices([0, 90]), 90, 2, dispatch=base.dispatch)
+        with pytest.raises(ValueError, match=r"dispatch places the tokens on cp_size=2 ranks but cp_size=4"):
+            DistAttnPlan(self.BASE, 101, 4, dispatch=base.dispatch)
+        with pytest.raises(ValueError, match="pass dispatch_config or dispatch, not both"):
+            DistAttnPlan(self.BASE, 101, 2, dispatch=base.dispatch, dispatch_config=DispatchConfig(chunk_size=4))
+        with pytest.raises(TypeError, match="dispatch must be a DispatchPlan"):
+            DistAttnPlan(self.BASE, 101, 2, dispatch=base)
+        with pytest.raises(ValueError, match="exceeds|out of|beyond|outside"):
+            DistAttnPlan([AttnSlice.make((0, 120), (0, 120))], 101, 2, dispatch=base.dispatch)
+
+
 class TestOverlap:
     def test_split_and_group(self):
         chunks = split_remote(AttnRanges([(0, 5), (10, 17)]), 4, 64)

@@ -6,6 +6,11 @@ Typical use::
     q, k, v = (dispatch(t, key) for t in (q, k, v))  # this rank's tokens
     out, lse = calc_attn(q, k, v, key)
     out = undispatch(out, key)                         # back to global order
+
+Another mask over the same dispatched tokens (e.g. a sliding-window layer)::
+
+    swa = magi_attn_varlen_key_for_new_mask(key, cu_seqlens, cu_seqlens, causal=True, window_size=(512, 0))
+    out2, lse2 = calc_attn(q, k, v, swa)
 """
 
 import logging
@@ -22,7 +27,11 @@ from .api import (
     get_most_recent_key,
     get_position_ids,
     magi_attn_flex_key,
+    magi_attn_flex_key_for_new_mask,
     magi_attn_varlen_key,
+    magi_attn_varlen_key_for_new_mask,
+    make_flex_key_for_new_mask_after_dispatch,
+    make_varlen_key_for_new_mask_after_dispatch,
     undispatch,
 )
 from .agreement import PlanMismatchError
@@ -39,6 +48,8 @@ if _level:
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "DispatchConfig", "DistAttnConfig", "DistAttnKey",
     "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
-    "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_varlen_key", "undispatch",
+    "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_flex_key_for_new_mask",
+    "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
+    "make_varlen_key_for_new_mask_after_dispatch", "undispatch",
     "PeerFailureError", "PlanMismatchError", "WorkerEnv", "init_worker", "launched_env", "run_workers",
 ]

@@ -14,7 +14,7 @@ from magi_comm import all_gather_rows
 from magi_comm.device_index import on_device
 from magi_kernels import apply_sink, check_sink, common_head_dim, pad_head_dim, resolve_backend
 from magi_kernels.validation import check_qkv, check_scale_softcap
-from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, varlen_slices
+from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
 from magi_solver.ranges import AttnRange
 
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
@@ -29,12 +29,18 @@ _CACHE_SIZE = 64
 _RUNTIMES: "OrderedDict[tuple, DistAttnRuntime]" = OrderedDict()
 _MOST_RECENT: dict[int, "DistAttnKey"] = {}
 
+SliceTuple = tuple[int, int, int, int, int]
+
 
 @dataclass(frozen=True)
 class DistAttnKey:
-    """Hashable handle of one mask's plan on one CP group (the runtime is cached behind it)."""
+    """Hashable handle of one mask's plan on one CP group (the runtime is cached behind it).
 
-    slices: tuple[tuple[int, int, int, int, int], ...]
+    ``placement``: the mask whose balance placed the tokens (``config.dispatch`` chunks it), when
+    that is another key's (see :func:`magi_attn_flex_key_for_new_mask`); None when the tokens are
+    placed for ``slices`` themselves. Keys of equal slices over different placements differ."""
+
+    slices: tuple[SliceTuple, ...]
     total_seqlen: int
     num_heads_q: int
     num_heads_kv: int
@@ -43,6 +49,7 @@ class DistAttnKey:
     cp_rank: int
     config: DistAttnConfig
     group: Any = field(default=None, compare=False, hash=False, repr=False)
+    placement: tuple[SliceTuple, ...] | None = None
 
     @property
     def runtime(self) -> DistAttnRuntime:
@@ -51,6 +58,11 @@ class DistAttnKey:
     @property
     def shard_seqlen(self) -> int:
         return self.runtime.shard_seqlen
+
+    @property
+    def placement_slices(self) -> tuple[SliceTuple, ...]:
+        """The mask the token placement was balanced for (``placement``, else ``slices``)."""
+        return self.slices if self.placement is None else self.placement
 
 
 def _cache_id(key: DistAttnKey) -> tuple:
@@ -61,19 +73,28 @@ def _get_runtime(key: DistAttnKey) -> DistAttnRuntime:
     cid = _cache_id(key)
     rt = _RUNTIMES.get(cid)
     if rt is None:
-        slices = [AttnSlice(AttnRange(a, b), AttnRange(c, d), AttnMaskType(t)) for a, b, c, d, t in key.slices]
-        plan = DistAttnPlan(
-            slices, key.total_seqlen, key.cp_size,
-            num_heads_q=key.num_heads_q, num_heads_kv=key.num_heads_kv, head_dim=key.head_dim,
-            dispatch_config=key.config.dispatch, overlap_config=key.config.overlap,
-        )
-        rt = DistAttnRuntime(plan, key.cp_rank, key.group, key.config)
+        rt = DistAttnRuntime(_plan(key), key.cp_rank, key.group, key.config)
         _RUNTIMES[cid] = rt
         while len(_RUNTIMES) > _CACHE_SIZE:
             _RUNTIMES.popitem(last=False)
     else:
         _RUNTIMES.move_to_end(cid)
     return rt
+
+
+def _attn_slices(tuples: Sequence[SliceTuple]) -> list[AttnSlice]:
+    return [AttnSlice(AttnRange(a, b), AttnRange(c, d), AttnMaskType(t)) for a, b, c, d, t in tuples]
+
+
+def _plan(key: DistAttnKey) -> DistAttnPlan:
+    """The plan of ``key``: its tokens placed for ``key.placement_slices``, its mask ``key.slices``."""
+    sizes = {"num_heads_q": key.num_heads_q, "num_heads_kv": key.num_heads_kv, "head_dim": key.head_dim,
+             "overlap_config": key.config.overlap}
+    slices = _attn_slices(key.slices)
+    if key.placement is None:
+        return DistAttnPlan(slices, key.total_seqlen, key.cp_size, dispatch_config=key.config.dispatch, **sizes)
+    placed = solve_dispatch(_attn_slices(key.placement), key.total_seqlen, key.cp_size, key.config.dispatch)
+    return DistAttnPlan(slices, key.total_seqlen, key.cp_size, dispatch=placed, **sizes)
 
 
 def clear_cache() -> None:
@@ -136,19 +157,24 @@ def magi_attn_flex_key(
         raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
     slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
     cp_size, cp_rank = _group_info(cp_group)
-    key = DistAttnKey(
+    return _make_key(DistAttnKey(
         tuple(s.to_tuple() for s in slices), int(total_seqlen_q), num_heads_q, num_heads_kv, head_dim,
         cp_size, cp_rank, dist_attn_config, cp_group,
-    )
-    _get_runtime(key)  # plan now: validation errors surface here, not inside the model
-    if cp_size > 1:
-        check_agreement(_key_fields(key), cp_group, dist_attn_config.comm_timeout_s, _KEY_CHECK)
-    _MOST_RECENT[id(cp_group)] = key
+    ))
+
+
+def _make_key(key: DistAttnKey) -> DistAttnKey:
+    """Plan ``key`` now (validation errors surface here, not inside the model), check that every
+    rank of its group holds the same key, and make it the group's most recent."""
+    _get_runtime(key)
+    if key.cp_size > 1:
+        check_agreement(_key_fields(key), key.group, key.config.comm_timeout_s, _KEY_CHECK)
+    _MOST_RECENT[id(key.group)] = key
     return key
 
 
-_KEY_CHECK = ("key (mask, sizes, heads, head dim, config); every rank of cp_group must create it, and a rank "
-              "that passed cp_group=None or skipped the call leaves the others waiting")
+_KEY_CHECK = ("key (mask, placement, sizes, heads, head dim, config); every rank of cp_group must create it, and "
+              "a rank that passed cp_group=None or skipped the call leaves the others waiting")
 _CALL_CHECK = "calc_attn call (dtype, device, softmax_scale, softcap, kernel backend, autograd, v head dim, sink)"
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -159,6 +185,7 @@ def _key_fields(key: DistAttnKey) -> list[Field]:
         Field("cp size", key.cp_size), Field("total_seqlen", key.total_seqlen),
         Field("num_heads_q", key.num_heads_q), Field("num_heads_kv", key.num_heads_kv), Field("head_dim", key.head_dim),
         Field("number of mask slices", len(key.slices)), Field("mask slices", digest(key.slices), digest=True),
+        Field("dispatch placement (the base key's mask, for a new-mask key)", digest(key.placement), digest=True),
         *config_fields("dist_attn_config", key.config), group_field(key.group),
     ]
 
@@ -194,12 +221,123 @@ def magi_attn_varlen_key(
     dist_attn_config: DistAttnConfig = DistAttnConfig(),
 ) -> DistAttnKey:
     """Key for packed documents given by ``cu_seqlens`` (full, causal or sliding window)."""
-    cu_q, cu_k = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q"), cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
-    slices = varlen_slices(cu_q, cu_k, causal=causal, window_size=window_size)  # checks cu_seqlens, window_size
+    slices, total_q, total_k = _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window_size)
     return magi_attn_flex_key(
         [s.q_range for s in slices], [s.k_range for s in slices], [s.mask_type for s in slices],
-        cu_q[-1], cu_k[-1], num_heads_q, num_heads_kv, head_dim, cp_group, dist_attn_config,
+        total_q, total_k, num_heads_q, num_heads_kv, head_dim, cp_group, dist_attn_config,
     )
+
+
+def _varlen_mask(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], causal: bool,
+                 window_size: tuple[int, int]) -> tuple[list[AttnSlice], int, int]:
+    """(slices, total_seqlen_q, total_seqlen_k) of packed documents; checks cu_seqlens and window_size."""
+    cu_q, cu_k = cu_seqlens_list(cu_seqlens_q, "cu_seqlens_q"), cu_seqlens_list(cu_seqlens_k, "cu_seqlens_k")
+    slices = varlen_slices(cu_q, cu_k, causal=causal, window_size=window_size)
+    return slices, cu_q[-1], cu_k[-1]
+
+
+def magi_attn_flex_key_for_new_mask(
+    base_key: DistAttnKey,
+    q_ranges: Sequence,
+    k_ranges: Sequence,
+    attn_mask_type: Any,
+    dist_attn_config: DistAttnConfig | None = None,
+) -> DistAttnKey:
+    """A key for another mask over the tokens as ``base_key`` placed them: several masks (full,
+    sliding window, chunked, ...) in one model share one :func:`dispatch` of the activations.
+
+    ``dispatch``, ``undispatch`` and ``get_position_ids`` give the same rows for the new key as
+    for ``base_key``; :func:`calc_attn` with it runs the new mask (slices as in
+    :func:`magi_attn_flex_key`, within ``base_key``'s sequence) with its own KV communication and
+    overlap stages. Nothing is re-balanced: the placement balances the base mask, and the new
+    one gets whatever balance that gives it (``key.runtime.plan.summary()["imbalance"]``).
+
+    The sequence length, heads, head dim and CP group are ``base_key``'s. ``dist_attn_config``
+    (default: ``base_key.config``) may change overlap, kernel and communication settings, but its
+    ``dispatch`` must equal ``base_key.config.dispatch``: the placement is the base's. A key made
+    from a new-mask key keeps the original placement. Collective over the group, like
+    :func:`magi_attn_flex_key`: every rank must pass the same base key and mask.
+    """
+    fn = "magi_attn_flex_key_for_new_mask"
+    _check_key(base_key, fn, "base_key")
+    return _new_mask_key(base_key, _as_slices(q_ranges, k_ranges, attn_mask_type), dist_attn_config, fn)
+
+
+def magi_attn_varlen_key_for_new_mask(
+    base_key: DistAttnKey,
+    cu_seqlens_q: Sequence[int],
+    cu_seqlens_k: Sequence[int],
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    dist_attn_config: DistAttnConfig | None = None,
+) -> DistAttnKey:
+    """:func:`magi_attn_flex_key_for_new_mask` for packed documents (full, causal or sliding
+    window, as in :func:`magi_attn_varlen_key`); the documents must cover ``base_key``'s sequence."""
+    fn = "magi_attn_varlen_key_for_new_mask"
+    _check_key(base_key, fn, "base_key")
+    slices, total_q, total_k = _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window_size)
+    for name, total in (("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k)):
+        if total != base_key.total_seqlen:
+            raise ValueError(f"{fn}: {name} ends at {total} but base_key's sequence has total_seqlen="
+                             f"{base_key.total_seqlen} tokens; a new mask covers the base key's sequence, so "
+                             f"{name}[-1] must be {base_key.total_seqlen}")
+    return _new_mask_key(base_key, slices, dist_attn_config, fn)
+
+
+def make_flex_key_for_new_mask_after_dispatch(
+    q_ranges: Sequence,
+    k_ranges: Sequence,
+    attn_mask_type: Any,
+    key_for_dispatch: DistAttnKey,
+    dist_attn_config: DistAttnConfig | None = None,
+) -> DistAttnKey:
+    """MagiAttention's name and argument order for :func:`magi_attn_flex_key_for_new_mask`."""
+    return magi_attn_flex_key_for_new_mask(key_for_dispatch, q_ranges, k_ranges, attn_mask_type, dist_attn_config)
+
+
+def make_varlen_key_for_new_mask_after_dispatch(
+    cu_seqlens_q: Sequence[int],
+    cu_seqlens_k: Sequence[int],
+    key_for_dispatch: DistAttnKey,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    dist_attn_config: DistAttnConfig | None = None,
+) -> DistAttnKey:
+    """MagiAttention's name and argument order for :func:`magi_attn_varlen_key_for_new_mask`."""
+    return magi_attn_varlen_key_for_new_mask(key_for_dispatch, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                             window_size=window_size, dist_attn_config=dist_attn_config)
+
+
+def _new_mask_config(base_key: DistAttnKey, config: DistAttnConfig | None, fn: str) -> DistAttnConfig:
+    if config is None:
+        return base_key.config
+    if not isinstance(config, DistAttnConfig):
+        raise TypeError(f"{fn}: dist_attn_config must be a DistAttnConfig or None, got {type(config).__name__}")
+    if config.dispatch != base_key.config.dispatch:
+        raise ValueError(
+            f"{fn}: dist_attn_config.dispatch={config.dispatch} differs from base_key's {base_key.config.dispatch}; "
+            "a new-mask key keeps the base key's placement, so pass "
+            "dataclasses.replace(base_key.config, overlap=...) (or dist_attn_config=None for the base's config)")
+    return config
+
+
+def _new_mask_key(base_key: DistAttnKey, slices: list[AttnSlice], config: DistAttnConfig | None,
+                  fn: str) -> DistAttnKey:
+    config = _new_mask_config(base_key, config, fn)
+    total = base_key.total_seqlen
+    for i, s in enumerate(slices):
+        for name, r in (("q_ranges", s.q_range), ("k_ranges", s.k_range)):
+            if r.end > total:
+                raise ValueError(f"{fn}: {name}[{i}]={r} ends past base_key's total_seqlen={total}; "
+                                 "a new mask must lie within the base key's sequence")
+    tuples = tuple(s.to_tuple() for s in slices)
+    placement = base_key.placement_slices
+    return _make_key(DistAttnKey(
+        tuples, total, base_key.num_heads_q, base_key.num_heads_kv, base_key.head_dim,
+        base_key.cp_size, base_key.cp_rank, config, base_key.group,
+        None if tuples == placement else placement,  # the base's own mask: a plain key of the same plan
+    ))
 
 
 def get_most_recent_key(cp_group: dist.ProcessGroup | None = None) -> DistAttnKey:
@@ -208,10 +346,10 @@ def get_most_recent_key(cp_group: dist.ProcessGroup | None = None) -> DistAttnKe
     return _MOST_RECENT[id(cp_group)]
 
 
-def _check_key(key: object, fn: str) -> None:
+def _check_key(key: object, fn: str, name: str = "key") -> None:
     """``key`` is a :class:`DistAttnKey` whose process group is still the one it was planned for."""
     if not isinstance(key, DistAttnKey):
-        raise TypeError(f"{fn}: key must be a DistAttnKey from magi_attn_flex_key / magi_attn_varlen_key, "
+        raise TypeError(f"{fn}: {name} must be a DistAttnKey from magi_attn_flex_key / magi_attn_varlen_key, "
                         f"got {type(key).__name__}")
     check_group_alive(key.group, key.cp_size, key.cp_rank)
 

@@ -6,6 +6,7 @@ greedy assigns the largest remaining chunk to the least-loaded rank that still h
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -110,6 +111,14 @@ class DispatchPlan:
         cs, last = self.chunk_size, max(self.total_seqlen - 1, 0)
         return [min(t, last) for c in self.partitions[rank] for t in range(c * cs, (c + 1) * cs)]
 
+    def for_slices(self, slices: Sequence[AttnSlice]) -> "DispatchPlan":
+        """The same placement (chunk size, padding, ``partitions``) with the chunk bands and
+        areas of another mask, ``slices`` (validated against ``total_seqlen``), so that plan
+        its communication and kernel slices without moving a token. Its ``rank_areas`` and
+        ``imbalance`` tell how well this placement balances the other mask: nothing re-balances."""
+        bands, areas = _chunk_bands_areas(slices, self.num_chunks, self.chunk_size)
+        return dataclasses.replace(self, chunk_areas=areas, chunk_bands=bands)
+
 
 def _chunk_bands(slices: Sequence[AttnSlice], num_chunks: int, chunk_size: int) -> list[list[Band]]:
     per_chunk: list[list[Band]] = [[] for _ in range(num_chunks)]
@@ -122,6 +131,14 @@ def _chunk_bands(slices: Sequence[AttnSlice], num_chunks: int, chunk_size: int) 
             if clipped is not None and clipped.pieces():
                 per_chunk[c].append(clipped)
     return per_chunk
+
+
+def _chunk_bands_areas(
+    slices: Sequence[AttnSlice], num_chunks: int, chunk_size: int
+) -> tuple[tuple[tuple[Band, ...], ...], tuple[int, ...]]:
+    """Per chunk: its bands of ``slices`` and their area."""
+    bands = tuple(tuple(b) for b in _chunk_bands(slices, num_chunks, chunk_size))
+    return bands, tuple(sum(b.area() for b in bs) for bs in bands)
 
 
 def _min_heap_partition(areas: Sequence[int], cp_size: int) -> list[list[int]]:
@@ -156,8 +173,7 @@ def solve_dispatch(
         cs = auto_chunk_size(total_seqlen, cp_size, config.min_chunks_per_rank)
     padded = total_seqlen + compute_pad_size(total_seqlen, cp_size, cs)
     n = padded // cs
-    bands = _chunk_bands(slices, n, cs)
-    areas = [sum(b.area() for b in bs) for bs in bands]
+    bands, areas = _chunk_bands_areas(slices, n, cs)
     if cp_size == 1:
         parts = [list(range(n))]
     elif config.alg == "sequential":
@@ -170,7 +186,7 @@ def solve_dispatch(
         padded_seqlen=padded,
         chunk_size=cs,
         cp_size=cp_size,
-        chunk_areas=tuple(areas),
+        chunk_areas=areas,
         partitions=tuple(tuple(p) for p in parts),
-        chunk_bands=tuple(tuple(b) for b in bands),
+        chunk_bands=bands,
     )

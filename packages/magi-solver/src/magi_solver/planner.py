@@ -40,6 +40,24 @@ class RankCalcPlan:
         return tuple(out)
 
 
+def _check_reused_dispatch(
+    dispatch: object, total_seqlen: int, cp_size: int, dispatch_config: DispatchConfig | None
+) -> None:
+    """A dispatch given to :class:`DistAttnPlan` fits its sequence and CP size."""
+    if not isinstance(dispatch, DispatchPlan):
+        raise TypeError(f"dispatch must be a DispatchPlan (e.g. another plan's .dispatch) or None, "
+                        f"got {type(dispatch).__name__}")
+    if dispatch_config is not None:
+        raise ValueError("pass dispatch_config or dispatch, not both: a given dispatch already fixed the chunk size "
+                         "and the placement of every token")
+    if dispatch.total_seqlen != total_seqlen:
+        raise ValueError(f"dispatch places total_seqlen={dispatch.total_seqlen} tokens but the slices are over "
+                         f"total_seqlen={total_seqlen}; a dispatch can be reused only for a mask over the same sequence")
+    if dispatch.cp_size != cp_size:
+        raise ValueError(f"dispatch places the tokens on cp_size={dispatch.cp_size} ranks but cp_size={cp_size}; "
+                         f"reuse a dispatch only with the same number of CP ranks")
+
+
 class DistAttnPlan:
     """Everything every rank needs to run distributed attention for one mask."""
 
@@ -52,17 +70,32 @@ class DistAttnPlan:
         num_heads_q: int = 1,
         num_heads_kv: int = 1,
         head_dim: int = 128,
-        dispatch_config: DispatchConfig = DispatchConfig(),
+        dispatch_config: DispatchConfig | None = None,
         overlap_config: OverlapConfig = OverlapConfig(),
         validate: bool = True,
+        dispatch: DispatchPlan | None = None,
     ):
+        """Plan ``slices`` over ``cp_size`` ranks.
+
+        Without ``dispatch`` the tokens are placed by :func:`solve_dispatch` with
+        ``dispatch_config`` (default ``DispatchConfig()``), balanced for ``slices``. With an
+        existing ``dispatch`` (e.g. another mask's ``plan.dispatch``) the tokens stay where it put
+        them, and only the communication, overlap stages and kernel slices are planned for
+        ``slices``: several masks then share one dispatch of the activations, at whatever
+        balance that placement gives this mask (``summary()["imbalance"]``).
+        """
         if validate:
             validate_slices(slices, total_seqlen, total_seqlen)
         self.slices = tuple(slices)
         self.cp_size = cp_size
         self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
         self.overlap_config = overlap_config
-        self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen, cp_size, dispatch_config)
+        if dispatch is None:
+            config = dispatch_config or DispatchConfig()
+            self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen, cp_size, config)
+        else:
+            _check_reused_dispatch(dispatch, total_seqlen, cp_size, dispatch_config)
+            self.dispatch = dispatch.for_slices(slices)
         d = self.dispatch
         self.chunk_owner = d.chunk_owner()
         self.host_ranges = [d.rank_ranges(r) for r in range(cp_size)]
