@@ -14,6 +14,10 @@ from hf_families import FAMILIES, build, float64_softmax
 pytest.importorskip("transformers")
 
 TOL = 1e-9
+# Gemma's norms compute in float32 even in a float64 model; under CP the shards have other shapes
+# than the reference's row, so those fp32 roundings differ (seen: 2e-9 abs, 2e-7 rel on a norm weight)
+FP32_INTERNALS = {"gemma2", "gemma3"}
+TOL_FP32_INTERNALS = 1e-6
 S = 24
 CU = [0, 9, 20, 24]  # documents longer than the windows (5) and chunks (4) of the tiny models
 # Llama4 does not pass position_ids to its attention layers: packing by position_ids alone would
@@ -107,8 +111,11 @@ def _cp_worker(rank: int, world: int, name: str) -> None:
     share.backward()
     ref_model = build(name, "eager")
     with float64_softmax():
-        ref_logits = torch.cat([ref_model(input_ids=ids[:, a:b], use_cache=False).logits
-                                for a, b in zip(CU, CU[1:])], dim=1)
+        if name in MASKS_IGNORE_PACKING:
+            ref_logits = torch.cat([ref_model(input_ids=ids[:, a:b], use_cache=False).logits
+                                    for a, b in zip(CU, CU[1:])], dim=1)
+        else:
+            ref_logits = ref_model(**eager_kw, use_cache=False).logits
     n = (batch.labels != -100).sum()
     ref = torch.nn.functional.cross_entropy(ref_logits[0], batch.labels[0], ignore_index=-100, reduction="sum") / n
     ref.backward()
@@ -121,12 +128,17 @@ def _cp_worker(rank: int, world: int, name: str) -> None:
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad)  # each CP rank holds its tokens' share
-        torch.testing.assert_close(grad, r.grad, atol=TOL, rtol=TOL, msg=lambda m, pn=pn: f"rank {rank} {pn}: {m}")
+        tol = TOL_FP32_INTERNALS if name in FP32_INTERNALS else TOL
+        torch.testing.assert_close(grad, r.grad, atol=tol, rtol=tol, msg=lambda m, pn=pn: f"rank {rank} {pn}: {m}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.plain])
+CP_CASES = [(n, 2) for n, f in FAMILIES.items() if f.causal_lm] + [
+    (n, 3) for n in ("llama", "gemma3", "gpt_oss", "llama4_chunked", "deepseek_v3_mla")]
+
+
+@pytest.mark.parametrize("name,world", CP_CASES)
 def test_family_under_context_parallelism(name, world):
+    """Every layer's own mask (windows per layer type, chunks, sinks, MLA) over one dispatch."""
     run_distributed(_cp_worker, world, name)
 
 

@@ -27,6 +27,7 @@ from magi_attn import (
     dispatch,
     get_position_ids,
     magi_attn_flex_key,
+    magi_attn_flex_key_for_new_mask,
     magi_attn_varlen_key,
     undispatch,
 )
@@ -255,7 +256,10 @@ def magi_attention_forward(
             raise ValueError("under context parallelism the batch must be one packed row without padding "
                              "(prepare_cp_batch); drop attention_mask and pack the documents with cu_seqlens")
         rows = None
-        key_for_layer = cp_layer_key(magi_key, mask)
+        docs = kwargs.get("magi_documents")
+        if docs is None:
+            raise ValueError("magi_key was passed without magi_documents; use CPBatch.model_kwargs() from prepare_cp_batch")
+        key_for_layer = cp_layer_key(magi_key, docs, mask)
     else:
         hf_packed = attention_mask if isinstance(attention_mask, HFPackedSequences) else None
         packing = _packing(b, s, None if hf_packed else attention_mask, kwargs)
@@ -272,14 +276,17 @@ def magi_attention_forward(
     return out.reshape(b, s, hq, out.shape[-1]), None
 
 
-def cp_layer_key(base: DistAttnKey, mask: LayerMask) -> DistAttnKey:
-    """The key of a layer under context parallelism. The batch's key (``prepare_cp_batch``) is
-    the causal document mask; other layer masks need keys over the same dispatch."""
+@functools.lru_cache(maxsize=64)
+def cp_layer_key(base: DistAttnKey, docs: tuple[tuple[int, int, int], ...], mask: LayerMask) -> DistAttnKey:
+    """The key of a layer under context parallelism: the batch's key (``prepare_cp_batch``, the
+    causal document mask) or, for another layer mask (window, chunks, bidirectional), a key for
+    that mask over the same dispatch, with its own comm plan, built once per batch and mask. Every
+    rank runs the same layers in the same order, so each builds (and cross-checks) the same keys."""
     if mask == LayerMask():
         return base
-    raise NotImplementedError(
-        f"this layer's mask ({mask}) differs from the causal document mask of the CP batch, and keys for other "
-        "masks over one dispatch are not available yet: run this model without context parallelism")
+    slices = mask_slices(docs, mask)
+    return magi_attn_flex_key_for_new_mask(base, [s[:2] for s in slices], [s[2:4] for s in slices],
+                                           [s[4] for s in slices])
 
 
 def register_magi() -> str:
@@ -349,9 +356,11 @@ class CPBatch:
     position_ids: torch.Tensor  # [1, shard], global positions for RoPE
     labels: torch.Tensor | None  # [1, total] global, shifted target ids (-100 = ignore)
     local_labels: torch.Tensor | None = None  # [1, shard]: this rank's targets, dispatched like its tokens
+    documents: tuple[tuple[int, int, int], ...] = ()  # (start, end, position-0 row) of each document
 
     def model_kwargs(self) -> dict[str, Any]:
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "magi_key": self.key, "use_cache": False}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "magi_key": self.key,
+                "magi_documents": self.documents, "use_cache": False}
 
 
 def prepare_cp_batch(
@@ -386,6 +395,7 @@ def prepare_cp_batch(
         position_ids=doc_pos[global_rows].unsqueeze(0),
         labels=labels,
         local_labels=dispatch(labels[0], key, pad_value=-100).unsqueeze(0),
+        documents=tuple((int(a), int(b), int(a)) for a, b in zip(cu_seqlens, cu_seqlens[1:]) if b > a),
     )
 
 
@@ -416,8 +426,13 @@ def gather_logits(logits_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
 def attention_config(model_config: Any) -> dict[str, int]:
     """Head counts of a HF config, for :func:`prepare_cp_batch`."""
     hq = model_config.num_attention_heads
+    nope, rope = (getattr(model_config, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    if nope is not None and rope is not None:  # MLA (DeepSeek): the query/key head dim; v has its own
+        head_dim = nope + rope
+    else:
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // hq
     return {
         "num_heads_q": hq,
         "num_heads_kv": getattr(model_config, "num_key_value_heads", None) or hq,
-        "head_dim": getattr(model_config, "head_dim", None) or model_config.hidden_size // hq,
+        "head_dim": head_dim,
     }
