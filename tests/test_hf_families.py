@@ -132,7 +132,7 @@ def _cp_worker(rank: int, world: int, name: str) -> None:
         torch.testing.assert_close(grad, r.grad, atol=tol, rtol=tol, msg=lambda m, pn=pn: f"rank {rank} {pn}: {m}")
 
 
-CP_CASES = [(n, 2) for n, f in FAMILIES.items() if f.causal_lm] + [
+CP_CASES = [(n, 2) for n, f in FAMILIES.items() if f.causal_lm and n not in ("mixtral", "starcoder2", "granite")] + [
     (n, 3) for n in ("llama", "gemma3", "gpt_oss", "llama4_chunked", "deepseek_v3_mla")]
 
 
