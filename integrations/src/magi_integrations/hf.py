@@ -12,6 +12,7 @@ Whatever the backend cannot honour raises an error that names the feature.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 from dataclasses import dataclass
@@ -206,12 +207,19 @@ def _padded_packing(mask: torch.Tensor) -> _Packing:
     return _Packing(rows, tuple(docs))
 
 
-def _check_hf_packing(hf: HFPackedSequences, packing: _Packing, chunk: int | None) -> None:
-    """Every row where HF's mask starts a sequence (or, with ``chunk``, a chunk) starts one here too."""
-    starts = {d[0] for d in packing.docs}
-    if chunk:
-        starts |= {r for a, e, anchor in packing.docs for r in range(a, e) if (r - anchor) % chunk == 0}
-    missing = [r for r in hf.starts if r not in starts]
+@functools.lru_cache(maxsize=64)
+def _check_hf_packing(hf: HFPackedSequences, docs: tuple[tuple[int, int, int], ...], chunk: int | None) -> None:
+    """Every row where HF's mask starts a sequence (or, with ``chunk``, a chunk) starts one here
+    too. Once per (mask, packing): every layer of a forward gets the same two."""
+    firsts = [d[0] for d in docs]
+
+    def starts_here(r: int) -> bool:
+        i = bisect.bisect_right(firsts, r) - 1
+        if i < 0 or r >= docs[i][1]:
+            return False
+        return r == docs[i][0] or bool(chunk and (r - docs[i][2]) % chunk == 0)
+
+    missing = [r for r in hf.starts if not starts_here(r)]
     if missing:
         raise ValueError(
             f"HF's mask sees packed sequences starting at rows {missing[:8]}, but this attention call got no "
@@ -264,7 +272,8 @@ def magi_attention_forward(
         hf_packed = attention_mask if isinstance(attention_mask, HFPackedSequences) else None
         packing = _packing(b, s, None if hf_packed else attention_mask, kwargs)
         if hf_packed is not None:
-            _check_hf_packing(hf_packed, packing, getattr(getattr(module, "config", None), "attention_chunk_size", None))
+            _check_hf_packing(hf_packed, packing.docs,
+                              getattr(getattr(module, "config", None), "attention_chunk_size", None))
         rows = packing.rows
         key_for_layer = _local_key(packing.docs, mask, hq, hk, d)
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (query, key, value))  # [b*s, h, d]

@@ -144,7 +144,8 @@ def run_workers(fn: Callable[..., Any], nprocs: int, *args: Any) -> Any:
     env = launched_env()
     if env is not None:
         try:
-            return fn(env, *args) if env.is_main else (fn(env, *args), None)[1]
+            result = fn(env, *args)
+            return result if env.is_main else None
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
