@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from magi_attn import WorkerEnv, init_worker, launched_env, run_workers
+from magi_attn import WorkerEnv, exit_worker, init_worker, launched_env, run_workers
 
 from .config import TrainConfig, register_configs
 
@@ -192,6 +192,8 @@ def main() -> None:
         return out["last_loss"]  # the objective a Hydra sweeper minimises
 
     _app()
+    if launched_env() is not None:  # a torchrun rank: leave without the teardown gloo's threads can abort
+        exit_worker(0)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from .api import (
 )
 from .agreement import PlanMismatchError
 from .config import DistAttnConfig
-from .launch import WorkerEnv, init_worker, launched_env, run_workers
+from .launch import WorkerEnv, exit_worker, init_worker, launched_env, run_workers
 from .roll import roll
 from magi_comm import PeerFailureError
 
@@ -52,5 +52,5 @@ __all__ = [
     "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_flex_key_for_new_mask",
     "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch", "undispatch",
-    "PeerFailureError", "PlanMismatchError", "roll", "WorkerEnv", "init_worker", "launched_env", "run_workers",
+    "PeerFailureError", "PlanMismatchError", "roll", "WorkerEnv", "exit_worker", "init_worker", "launched_env", "run_workers",
 ]

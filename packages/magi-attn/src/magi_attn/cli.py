@@ -75,7 +75,7 @@ def _run_worker(env, args: argparse.Namespace, use_cuda: bool) -> dict | None:
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    from .launch import launched_env, run_workers
+    from .launch import exit_worker, launched_env, run_workers
 
     env = launched_env()
     if env is not None and args.cp is not None and args.cp != env.world_size:
@@ -89,13 +89,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                        torch.cuda.device_count(), local)
         use_cuda = False
     report = run_workers(_run_worker, nprocs, args, use_cuda)
-    if report is None:  # not rank 0 of a launched job
-        return 0
-    print(json.dumps(report, indent=2))
-    if not report["ok"]:
-        raise RuntimeError(f"distributed result differs from the reference by {report['max_abs_err_vs_fp64']} "
-                           f"> {report['tolerance']}")
-    return 0
+    code = 0
+    if report is not None:  # rank 0 (or the spawning process)
+        print(json.dumps(report, indent=2))
+        if not report["ok"]:
+            print(f"magi-attn run: error: distributed result differs from the reference by "
+                  f"{report['max_abs_err_vs_fp64']} > {report['tolerance']}", file=sys.stderr)
+            code = 1
+    if env is not None:  # a launched rank: leave without the teardown gloo's threads can abort
+        exit_worker(code)
+    return code
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
