@@ -21,12 +21,11 @@ class Family:
     model: str
     kwargs: dict = field(default_factory=dict)
     causal_lm: bool = True  # False: an encoder (masked LM), bidirectional
-    plain: bool = False  # every layer is the plain causal document mask (CP works without new-mask keys)
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaConfig", "LlamaForCausalLM", plain=True),
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8), plain=True),
+    "llama": Family("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
     "mistral": Family("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0)),
     "qwen2_sliding": Family("Qwen2Config", "Qwen2ForCausalLM",

@@ -53,15 +53,11 @@ class LayerMask:
 
     ``window``: ``(left, right)`` keys on each side (-1 = unbounded), as FlashAttention's
     ``window_size``; ``chunk``: chunked attention (Llama4) with chunks of that many tokens,
-    counted from the start of the row (HF's ``chunked_overlay``)."""
+    counted from each document's position 0 (HF's ``chunked_overlay`` on packed positions)."""
 
     causal: bool = True
     window: tuple[int, int] = (-1, -1)
     chunk: int | None = None
-
-    @property
-    def plain(self) -> bool:
-        return self.window == (-1, -1) and self.chunk is None
 
 
 def _positive_int(value: Any, what: str) -> int:
