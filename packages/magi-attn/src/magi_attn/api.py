@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from magi_comm import all_gather_rows
+from magi_comm import all_gather_rows, clear_shared_collectives
 from magi_comm.device_index import on_device
 from magi_kernels import apply_sink, check_sink, common_head_dim, pad_head_dim, resolve_backend
 from magi_kernels.validation import check_qkv, check_scale_softcap
@@ -98,8 +99,15 @@ def _plan(key: DistAttnKey) -> DistAttnPlan:
 
 
 def clear_cache() -> None:
+    """Drop every cached plan, runtime and collective, and the process groups they hold. Also
+    runs at interpreter exit: a used gloo group kept alive past ``destroy_process_group`` by these
+    caches can make the exit abort ("terminate called without an active exception")."""
     _RUNTIMES.clear()
     _MOST_RECENT.clear()
+    clear_shared_collectives()
+
+
+atexit.register(clear_cache)
 
 
 def _group_info(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:

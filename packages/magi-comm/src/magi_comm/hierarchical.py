@@ -195,6 +195,11 @@ def _transposed(plan: A2AIndexPlan) -> A2AIndexPlan:
 _SHARED: dict[tuple, "HierarchicalCollectives"] = {}
 
 
+def clear_shared_collectives() -> None:
+    """Drop the cached two-hop collectives (and the process groups they hold)."""
+    _SHARED.clear()
+
+
 def shared_collectives(group: dist.ProcessGroup | None, ranks_per_node: int | None) -> "HierarchicalCollectives":
     """One instance (one pair of subgroups) per (group, ranks_per_node) in this process; the
     first call is collective."""
