@@ -12,6 +12,7 @@ Whatever the backend cannot honour raises an error that names the feature.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import functools
 import logging
@@ -292,6 +293,11 @@ def cp_layer_key(base: DistAttnKey, docs: tuple[tuple[int, int, int], ...], mask
     slices = mask_slices(docs, mask)
     return magi_attn_flex_key_for_new_mask(base, [s[:2] for s in slices], [s[2:4] for s in slices],
                                            [s[4] for s in slices])
+
+
+# the key caches hold runtimes and their process groups: drop them before the interpreter's teardown
+for _cache in (_local_key, cp_layer_key):
+    atexit.register(_cache.cache_clear)
 
 
 def register_magi() -> str:

@@ -10,6 +10,7 @@ Padding rows (past ``total_seqlen``) are neither read nor written: they come bac
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -50,6 +51,9 @@ def _plan(rt: DistAttnRuntime, shifts: int) -> _RollPlan:
             recvs[src].append(dst_row)
     flat = lambda rows: torch.tensor([r for part in rows for r in part], dtype=torch.long)  # noqa: E731
     return _RollPlan(flat(sends), tuple(map(len, sends)), flat(recvs), tuple(map(len, recvs)))
+
+
+atexit.register(_plan.cache_clear)  # plans hold runtimes and their groups: drop them before the teardown
 
 
 def _move(x: torch.Tensor, rt: DistAttnRuntime, rows_out: torch.Tensor, counts_out: tuple[int, ...],
