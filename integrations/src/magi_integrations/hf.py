@@ -34,7 +34,7 @@ from magi_attn import (
     undispatch,
 )
 from magi_kernels.host_cache import per_tensor
-from magi_solver import varlen_slices
+from magi_solver import check_positive_int, varlen_slices
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,6 @@ class LayerMask:
     chunk: int | None = None
 
 
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
 def layer_mask(module: Any, kwargs: dict) -> LayerMask:
     """The mask HF's own (eager / sdpa) path gives this layer, from what the model passes and
     its config: ``is_causal`` (argument, else ``module.is_causal``), ``sliding_window``
@@ -90,18 +84,20 @@ def layer_mask(module: Any, kwargs: dict) -> LayerMask:
             raise ValueError(f"layer {layer_idx} is a sliding_attention layer (config.layer_types) but neither the "
                              "sliding_window argument nor config.sliding_window gives its window")
     elif layer_type == "chunked_attention":
-        chunk = _positive_int(getattr(config, "attention_chunk_size", None), "config.attention_chunk_size")
+        chunk = check_positive_int(getattr(config, "attention_chunk_size", None), "config.attention_chunk_size",
+                                   "tokens per attention chunk")
         window = None
     elif layer_type is not None:
         raise ValueError(f"the magi attention backend does not know layer type {layer_type!r} (config.layer_types"
                          f"[{layer_idx}]); it honours full_attention, sliding_attention and chunked_attention")
     elif getattr(config, "attention_chunk_size", None) is not None:  # no layer types: every layer is chunked
-        chunk = _positive_int(config.attention_chunk_size, "config.attention_chunk_size")
+        chunk = check_positive_int(config.attention_chunk_size, "config.attention_chunk_size",
+                                   "tokens per attention chunk")
     if chunk is not None and not causal:
         raise ValueError("chunked attention with is_causal=False is not a mask HF defines; the magi backend refuses it")
     if window is None:
         return LayerMask(causal, (-1, -1), chunk)
-    w = _positive_int(window, "sliding_window")
+    w = check_positive_int(window, "sliding_window", "keys each query sees, itself included")
     # HF: causal keeps keys i - w < j <= i (w keys with itself); bidirectional |i - j| <= w - 1
     return LayerMask(causal, (w - 1, 0) if causal else (w - 1, w - 1), None)
 
