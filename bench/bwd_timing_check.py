@@ -1,7 +1,7 @@
 """Time one backward two ways in one process: through autograd (as bench_kernels.py does) and
 by calling ``triton_backend.ffa_backward`` directly (as sweep_tiles.py does), each with a short
-and a long timing window, interleaved. The v9 runs disagreed by 18-23 % on the full mask (notes,
-v9); this says which way of timing (or which window) accounts for it.
+and a long timing window, interleaved. Two such timings once disagreed by 18-23 % on the full mask (the cause was the
+power cap's clock, not the way of timing); this says which way (or which window) accounts for a gap.
 
 Usage: python bench/bwd_timing_check.py --seqlen 16384 --masks full causal
 """

@@ -61,7 +61,7 @@ def balanced_order(runs: list[tuple]) -> list[tuple]:
     """``runs`` (label, value, settings) reordered for an A/B: a setting listed several times
     (``MAGI_SWEEP_SETS="A;B;C;A;B;C"``) is timed in rounds, the k-th round holding each one's
     k-th repeat in first-listed order, every other round reversed (A B C C B A ...). Under the
-    power cap the SM clock sinks through a mask's timings (v22: 1850 to 1700 MHz over 16k
+    power cap the SM clock sinks through a mask's timings (1850 to 1700 MHz over 16k
     sliding window), so a fixed order gave the first setting the highest clock in every round;
     reversed rounds give each setting the same mean position. A list without repeats is kept."""
     rounds: list[list[tuple]] = []
