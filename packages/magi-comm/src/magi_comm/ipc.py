@@ -4,8 +4,8 @@ Every rank of the group registers one device arena; the arenas are mapped into e
 process with CUDA IPC. A cast is one fused launch per destination that gathers the rows it
 sends from the local input and writes them straight to their final positions in the peer's
 output (no staging copy, no NCCL); a sum-reduce is one launch per destination that atomically
-adds fp32 partials into the peer's accumulator. Host barriers order the phases (v1: simple and
-correct; a device-side flag handshake is the next step).
+adds fp32 partials into the peer's accumulator. Host barriers order the phases (simple and
+correct; a device-side flag handshake would let them overlap).
 
 Needs: all ranks on one host, CUDA tensors, the native extension built with CUDA.
 """
