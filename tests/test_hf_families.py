@@ -163,3 +163,23 @@ def test_refuses_what_it_cannot_honour():
     mask[0, 3] = 0
     with pytest.raises(ValueError, match="padding between its tokens"):
         model(input_ids=torch.randint(1, 64, (1, 8)), attention_mask=mask, use_cache=False)
+
+
+def test_refuses_cross_attention():
+    """An encoder-decoder's cross-attention (queries and keys of different lengths) is refused by
+    name, not mistaken for a decode step or run as self-attention."""
+    import transformers
+
+    from magi_integrations.hf import register_magi
+
+    register_magi()
+    sub = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
+               sliding_window=5, layer_types=["full_attention"], query_pre_attn_scalar=8, pad_token_id=0)
+    cfg = transformers.T5GemmaConfig(encoder=sub, decoder=sub, vocab_size=64, pad_token_id=0, dropout_rate=0.0,
+                                     attention_dropout=0.0)
+    cfg._attn_implementation = "magi"
+    model = transformers.T5GemmaForConditionalGeneration(cfg).to(torch.float64)
+    model.set_attn_implementation("magi")
+    with pytest.raises(NotImplementedError, match="cross-attention"):
+        model(input_ids=torch.randint(3, 64, (1, 10)), decoder_input_ids=torch.randint(3, 64, (1, 6)), use_cache=False)

@@ -321,9 +321,15 @@ def magi_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
             "this model adds its own mask overlay (or_mask_function / and_mask_function, e.g. bidirectional "
             "image-token blocks) to HF's attention mask; the magi attention backend cannot honour it: use "
             "attn_implementation='sdpa' or 'flex_attention' for this model")
-    if not (isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and q_length == kv_length):
+    if not (isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0):
         raise NotImplementedError("the magi attention backend runs training and prefill without a KV cache "
                                   "(use_cache=False); decode with another attn_implementation")
+    if q_length != kv_length:
+        raise NotImplementedError(
+            f"the magi attention backend got {q_length} queries against {kv_length} keys: decoding with a KV cache "
+            "or cross-attention (an encoder-decoder model such as T5Gemma) is not supported by the Hugging Face "
+            "backend; use use_cache=False for training and prefill, and another attn_implementation for "
+            "cross-attention (magi_attn_cross_key runs cross-attention directly)")
     padding = flash_attention_mask(batch_size, q_length, kv_length, attention_mask=attention_mask, **kwargs)
     if padding is None and batch_size == 1 and q_length > 1 and kwargs.get("mask_function") is not None:
         starts = _hf_sequence_starts(kwargs["mask_function"], q_length)
