@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed
-from magi_comm.hierarchical import NodeTopology, inter_node_rows, outgoing_meta, two_hop_cast_plan
+from magi_comm.two_hop_plan import NodeTopology, inter_node_rows, outgoing_meta, two_hop_cast_plan
 
 
 def random_pattern(world: int, seed: int):
@@ -108,7 +108,7 @@ def test_topology_errors_name_the_fix():
 
 def hier_worker(rank, world, per_node):
     from magi_comm import COMM_STATS, group_cast, group_reduce
-    from magi_comm.hierarchical import HierarchicalCollectives
+    from magi_comm import HierarchicalCollectives
 
     hc = HierarchicalCollectives(dist.group.WORLD, ranks_per_node=per_node)
     topo = hc.topo

@@ -8,11 +8,11 @@ from magi_solver import (
     AttnSlice,
     block_causal_slices,
     causal_slices,
+    check_positive_int,
     full_slices,
     shared_prefix_slices,
     varlen_slices,
 )
-from magi_solver.mask_builders import check_positive_int
 
 MASKS = (
     "full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal", "shared_prefix",
