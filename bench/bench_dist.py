@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from magi_attn.launch import free_port
+from magi_attn import free_port
 
 MASKS = ["full", "causal", "varlen_causal", "varlen_block_causal"]
 
@@ -47,11 +47,10 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
     if use_cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=args.cp)
-    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_flex_key
-    from magi_attn.baselines import (
-        comm_rows_per_rank, contiguous_dispatch, ring_allgather_attn, ulysses_attn, zigzag_dispatch,
+    from magi_attn import (
+        DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, comm_rows_per_rank, contiguous_dispatch, dispatch,
+        magi_attn_flex_key, make_mask, ring_allgather_attn, ulysses_attn, zigzag_dispatch,
     )
-    from magi_attn.masks import make_mask
     from magi_comm import COMM_STATS
     from magi_kernels import flex_flash_attn_func
     from magi_solver import slice_ranges

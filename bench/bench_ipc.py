@@ -16,15 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from magi_attn.launch import free_port
+from magi_attn import free_port
 
 
 def worker(rank, args, port, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     torch.cuda.set_device(0)
-    from magi_comm import group_cast
-    from magi_comm.ipc import IpcGroupCollectives
+    from magi_comm import IpcGroupCollectives, group_cast
 
     W, n = args.world, args.rows
     # every rank sends every row to every other rank: a dense all-to-all-like cast

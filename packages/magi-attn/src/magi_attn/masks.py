@@ -45,6 +45,7 @@ def sample_doc_lengths(total: int, seed: int = 0) -> list[int]:
 
 
 def cu_seqlens_of(lengths: list[int]) -> list[int]:
+    """Cumulative boundaries ``[0, l0, l0 + l1, ...]`` of documents of ``lengths``."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)

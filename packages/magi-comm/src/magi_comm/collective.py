@@ -51,14 +51,14 @@ class CastStage(Protocol):
 
 
 def _cast_args(p: CastStage) -> dict:
-    return dict(input_split_sizes=p.input_split_sizes, output_split_sizes=p.output_split_sizes,
-                dst_indices=p.dst_indices, src_index=p.src_index)
+    return {"input_split_sizes": p.input_split_sizes, "output_split_sizes": p.output_split_sizes,
+            "dst_indices": p.dst_indices, "src_index": p.src_index}
 
 
 def _reduce_args(p: CastStage) -> dict:
     """The transpose of the cast: partials of the received rows go back to their sources."""
-    return dict(input_split_sizes=p.output_split_sizes, output_split_sizes=p.input_split_sizes,
-                dst_index=p.src_index, src_indices=p.dst_indices)
+    return {"input_split_sizes": p.output_split_sizes, "output_split_sizes": p.input_split_sizes,
+            "dst_index": p.src_index, "src_indices": p.dst_indices}
 
 
 class GroupCollective(abc.ABC):

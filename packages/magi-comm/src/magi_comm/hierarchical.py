@@ -30,7 +30,6 @@ from .index_plan import A2AIndexPlan, check_ranks
 from .two_hop_plan import Meta, NodeTopology, TwoHopPlan, default_ranks_per_node, outgoing_meta, two_hop_cast_plan
 from .waiting import DEFAULT_TIMEOUT_S, wait_works
 
-
 _SHARED: dict[tuple, "HierarchicalCollectives"] = {}
 
 

@@ -105,7 +105,7 @@ def two_hop_cast_plan(
 ) -> TwoHopPlan:
     """Row plan of one rank; ``incoming[n]`` is what the proxy-peer on node ``n`` sends here in
     hop 1 (its ``outgoing_meta`` for this rank's node). Pure: no communication."""
-    my_node, my_local, L = topo.node(me), topo.local(me), topo.ranks_per_node
+    my_node, L = topo.node(me), topo.ranks_per_node
     in_off = split_offsets(input_split_sizes)
     n_input = sum(input_split_sizes)
     # hop 1: each split once per remote node that holds any of its destinations
