@@ -112,7 +112,8 @@ def test_single_process_and_errors():
 def test_ipc_backend_reports_why_it_cannot_run():
     import torch
 
-    from magi_comm.ipc import IpcArena, ipc_supported
+    from magi_comm import ipc_supported
+    from magi_comm.ipc import IpcArena
 
     ok, why = ipc_supported()
     if torch.cuda.is_available() and ok:
