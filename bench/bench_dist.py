@@ -47,11 +47,10 @@ def worker(env: WorkerEnv, args, use_cuda: bool) -> list[dict] | None:
     os.environ.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
     dev = init_worker(env, use_cuda)
     rank = env.rank
-    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_flex_key
-    from magi_attn.baselines import (
-        comm_rows_per_rank, contiguous_dispatch, ring_allgather_attn, ulysses_attn, zigzag_dispatch,
+    from magi_attn import (
+        DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, comm_rows_per_rank, contiguous_dispatch, dispatch,
+        magi_attn_flex_key, make_mask, ring_allgather_attn, ulysses_attn, zigzag_dispatch,
     )
-    from magi_attn.masks import make_mask
     from magi_comm import COMM_STATS
     from magi_kernels import flex_flash_attn_func
     from magi_solver import slice_ranges

@@ -22,8 +22,7 @@ def worker(env: WorkerEnv, args) -> dict | None:
     init_worker(env, use_cuda=False)
     torch.cuda.set_device(0)
     rank = env.rank
-    from magi_comm import group_cast
-    from magi_comm.ipc import IpcGroupCollectives
+    from magi_comm import IpcGroupCollectives, group_cast
 
     W, n = args.world, args.rows
     # every rank sends every row to every other rank: a dense all-to-all-like cast

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import flex_flash_attn_func
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import flex_flash_attn_func, run_backward
 

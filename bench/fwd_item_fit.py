@@ -42,7 +42,7 @@ def item_features(mask: str, seqlen: int, bm: int = 128, bn: int = 128) -> tuple
     """(mean key blocks, mean partial blocks, items per head) of the forward's tiles of a bench mask."""
     import torch
 
-    from magi_attn.masks import make_mask
+    from magi_attn import make_mask
     from magi_kernels import triton_backend as tb
     from magi_solver import slice_ranges
 

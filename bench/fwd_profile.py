@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_kernels import run_forward
 from magi_solver import slice_ranges
 

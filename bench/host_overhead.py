@@ -24,7 +24,7 @@ import time
 import torch
 from bench_kernels import bench  # the bench's timer (do_bench, L2 flushed before each call)
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_kernels import flex_flash_attn_func, run_forward
 from magi_solver import slice_ranges
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import run_backward, run_forward
 

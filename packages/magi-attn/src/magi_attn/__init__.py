@@ -35,8 +35,10 @@ from .api import (
     undispatch,
 )
 from .agreement import PlanMismatchError
-from .config import DistAttnConfig
-from .launch import WorkerEnv, exit_worker, init_worker, launched_env, run_workers
+from .baselines import comm_rows_per_rank, contiguous_dispatch, ring_allgather_attn, ulysses_attn, zigzag_dispatch
+from .config import COMM_BACKENDS, DistAttnConfig
+from .launch import WorkerEnv, exit_worker, free_port, init_worker, launched_env, run_workers
+from .masks import MASKS, cu_seqlens_of, make_mask, sample_doc_lengths
 from .roll import roll
 from magi_comm import PeerFailureError
 
@@ -53,4 +55,7 @@ __all__ = [
     "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch", "undispatch",
     "PeerFailureError", "PlanMismatchError", "roll", "WorkerEnv", "exit_worker", "init_worker", "launched_env", "run_workers",
+    # configuration vocabulary, launch and benchmark helpers (named masks, context-parallel baselines)
+    "COMM_BACKENDS", "MASKS", "comm_rows_per_rank", "contiguous_dispatch", "cu_seqlens_of", "free_port", "make_mask",
+    "ring_allgather_attn", "sample_doc_lengths", "ulysses_attn", "zigzag_dispatch",
 ]

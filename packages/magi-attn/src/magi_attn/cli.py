@@ -116,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan.calc_plan(0)
     summary = plan.summary()
     if args.ranks_per_node:
-        from magi_comm.hierarchical import NodeTopology, inter_node_rows
+        from magi_comm import NodeTopology, inter_node_rows
 
         topo = NodeTopology(cp, args.ranks_per_node)
         for name, dedup in (("flat", False), ("two_hop", True)):
@@ -142,7 +142,6 @@ def cmd_env(args: argparse.Namespace) -> int:
     import magi_comm
     import magi_kernels
     import magi_solver
-    from magi_comm import native
 
     from . import __version__
     from magi_kernels.interface import _triton_module
@@ -152,11 +151,10 @@ def cmd_env(args: argparse.Namespace) -> int:
         "magi_comm": magi_comm.__version__, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
         "triton_backend": _triton_module() is not None,
         # what magi-comm's native extension was built with, and whether it runs on this GPU
-        "comm_native": {"available": native.AVAILABLE, "with_cuda": native.WITH_CUDA,
-                        "cuda_archs": list(native.CUDA_ARCHS), "reason": native.REASON},
+        "comm_native": magi_comm.native_build_info(),
     }
-    if native.WITH_CUDA and torch.cuda.is_available():
-        info["comm_native"]["this_gpu"] = native.cuda_usable(torch.cuda.current_device())[1]
+    if info["comm_native"]["with_cuda"] and torch.cuda.is_available():
+        info["comm_native"] = magi_comm.native_build_info(torch.cuda.current_device())
     print(json.dumps(info, indent=2))
     return 0
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from magi_comm import DEFAULT_TIMEOUT_S
+from magi_comm import COLLECTIVE_KINDS, DEFAULT_TIMEOUT_S
 from magi_kernels import BACKENDS
 from magi_solver import DispatchConfig, OverlapConfig
 
 __all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "OverlapConfig"]
 
-COMM_BACKENDS = ("a2a", "ipc", "hier")
+COMM_BACKENDS = COLLECTIVE_KINDS  # the transports magi_comm.make_group_collective builds
 
 
 @dataclass(frozen=True)

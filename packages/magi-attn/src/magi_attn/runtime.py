@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from magi_solver import DistAttnPlan, GroupCastPlan, GroupReducePlan
+from magi_comm import GroupCollective, make_group_collective
+from magi_solver import DistAttnPlan, GroupCastPlan
 
 from .config import DistAttnConfig
 
@@ -55,43 +56,14 @@ class DistAttnRuntime:
         calc = plan.calc_plan(rank)
         self.calc = calc
         self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]
-        self.reduce_plans: list[GroupReducePlan] = [p.transpose() for p in self.cast_plans]
+        # stage s: cast_plans[s] brings remote KV here; its transpose sums dK/dV back
+        self.comm: GroupCollective = make_group_collective(
+            config.comm_backend, self.cast_plans, group,
+            timeout_s=config.comm_timeout_s, ranks_per_node=config.ranks_per_node)
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
-        self._ipc = None
-        self._hier = None
         # the (dtype, device, scale, softcap, backend, autograd) the ranks last agreed on (agreement.py)
         self.agreed_call: tuple | None = None
         logger.debug("rank %d runtime: %s", rank, plan.summary())
-
-    def ipc(self, kv: torch.Tensor):
-        """The CUDA IPC collectives of this runtime (built on first use, sized for the largest
-        stage of this plan), or None with the a2a backend."""
-        if self.config.comm_backend != "ipc":
-            return None
-        if self._ipc is None:
-            from magi_comm.ipc import IpcGroupCollectives
-
-            row = kv[0].numel()
-            most = max([self.shard_seqlen] + [p.output_rows for p in self.cast_plans])
-            nbytes = most * row * max(kv.element_size(), 4) + 256
-            self._ipc = IpcGroupCollectives(self.group, nbytes, kv.device)
-        return self._ipc
-
-    def hier(self, kv: torch.Tensor):
-        """(two-hop collectives, per-stage two-hop plans) with the "hier" backend, else None. A
-        stage's plan serves its cast and, transposed, its dK/dV reduce. All stages are planned on
-        first use (one collective metadata exchange per stage, every rank in the same order),
-        before any data moves."""
-        if self.config.comm_backend != "hier" or self.group is None:
-            return None
-        if self._hier is None:
-            from magi_comm.hierarchical import shared_collectives
-
-            hc = shared_collectives(self.group, self.config.ranks_per_node)
-            plans = [hc.cast_plan(p.input_split_sizes, p.dst_indices, p.output_split_sizes, p.src_index, kv.device)
-                     for p in self.cast_plans]
-            self._hier = (hc, plans)
-        return self._hier
 
     @property
     def no_overlap(self) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from magi_solver.mask import AttnMaskType, slice_area
+from magi_solver import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
 from .env_config import env_choice, env_config, warn_removed_switches
