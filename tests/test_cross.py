@@ -29,10 +29,10 @@ CASES = [
 ]
 
 
-def _config():
+def _config(**overlap):
     from magi_attn import DistAttnConfig, OverlapConfig
 
-    return DistAttnConfig(overlap=OverlapConfig(degree=1), kernel_backend="torch")
+    return DistAttnConfig(overlap=OverlapConfig(**(overlap or dict(degree=1))), kernel_backend="torch")
 
 
 def _randn(gen, *shape):
@@ -44,7 +44,7 @@ def _loss(out, lse, g_out, g_lse):
     return (out * g_out).sum() + torch.where(finite, lse * g_lse, 0).sum()
 
 
-def check_cross_case(name, slices, sq, sk, placement, expect, group, rank):
+def check_cross_case(name, slices, sq, sk, placement, expect, group, rank, config=None):
     from magi_attn import calc_attn, dispatch, dispatch_kv, magi_attn_cross_key, undispatch
     from magi_kernels.testing import dense_attention, dense_mask
 
@@ -52,7 +52,7 @@ def check_cross_case(name, slices, sq, sk, placement, expect, group, rank):
     q, k, v = _randn(gen, sq, HQ, D), _randn(gen, sk, HK, D), _randn(gen, sk, HK, D)
     g_out, g_lse = _randn(gen, sq, HQ, D), _randn(gen, sq, HQ)
     key = magi_attn_cross_key([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], sq, sk,
-                              HQ, HK, D, group, kv_placement=placement, dist_attn_config=_config())
+                              HQ, HK, D, group, kv_placement=placement, dist_attn_config=config or _config())
     resolved = key.runtime.plan.kv_placement
     assert resolved == (expect if key.cp_size > 1 else resolved), f"{name}: auto chose {resolved}, not {expect}"
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
@@ -143,6 +143,9 @@ def cross_worker(rank, world):
     group = dist.group.WORLD
     for case in CASES:
         check_cross_case(*case, group, rank)
+    # the sharded K/V fetched in 3 overlap stages, and in one kernel call without overlap
+    check_cross_case(*CASES[4], group, rank, _config(degree=3, min_chunk_size=1))
+    check_cross_case(*CASES[2], group, rank, _config(degree=0))
     for placement in ("shard", "replicate"):
         key = magi_attn_cross_key([(0, 24)], [(0, 7)], "full", 24, 7, HQ, HK, D, group, kv_placement=placement,
                                   dist_attn_config=_config())
