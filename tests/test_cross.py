@@ -241,3 +241,31 @@ def test_batch_helpers():
         squash_batch(x, mask[:, :3])
     with pytest.raises(ValueError, match="expects 5 packed rows"):
         unsquash_batch(packed[:4], p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_cross_attention_gpu_bf16(case):
+    """One rank on a GPU, the default kernel backend, bf16: sq != sk through calc_attn against
+    float64 dense of the same rounded inputs (tolerance as in test_triton_gpu.py: bf16 P and dS)."""
+    from magi_attn import DistAttnConfig, calc_attn, dispatch, dispatch_kv, magi_attn_cross_key, undispatch
+    from magi_kernels.testing import dense_attention, dense_mask
+
+    name, slices, sq, sk, placement, _ = next(c for c in CASES if c[0] == case)
+    hq, hk, d = 4, 2, 64
+    key = magi_attn_cross_key([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], sq, sk,
+                              hq, hk, d, kv_placement=placement, dist_attn_config=DistAttnConfig())
+    torch.manual_seed(0)
+    q = torch.randn(sq, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out_l, _ = calc_attn(dispatch(q, key), dispatch_kv(k, key), dispatch_kv(v, key), key)
+    out = undispatch(out_l, key)
+    g = torch.randn_like(out, dtype=torch.float64)
+    (out.double() * g).sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ro, _ = dense_attention(q64, k64, v64, dense_mask(slices, sq, sk, device="cuda"))
+    (ro * g).sum().backward()
+    tol = 2e-2
+    torch.testing.assert_close(out.double(), ro, atol=tol, rtol=tol)
+    for a, b in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert ((a.double() - b).abs().max() / b.abs().max().clamp(min=1)) < 4 * tol
