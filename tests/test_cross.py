@@ -151,6 +151,20 @@ def cross_worker(rank, world):
                                   dist_attn_config=_config())
         check_round_trips(key, 24, 7, rank)
     check_batches(group, rank)
+    check_disagreement(group, rank)
+
+
+def check_disagreement(group, rank):
+    """Ranks that build different cross keys, or a cross key against a self-attention key, get
+    one clear error on every rank (the fingerprints have the same fields for both kinds)."""
+    from magi_attn import PlanMismatchError, magi_attn_cross_key, magi_attn_flex_key
+
+    with pytest.raises(PlanMismatchError, match="kv_placement: rank 0: shard, rank 1: replicate"):
+        magi_attn_cross_key([(0, 24)], [(0, 7)], "full", 24, 7, HQ, HK, D, group,
+                            kv_placement="shard" if rank == 0 else "replicate", dist_attn_config=_config())
+    sk = 24 if rank == 0 else 7
+    with pytest.raises(PlanMismatchError, match="total_seqlen_k: rank 0: 24, rank 1: 7"):
+        magi_attn_flex_key([(0, 24)], [(0, sk)], "full", 24, sk, HQ, HK, D, group, _config())
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -15,7 +15,7 @@ from magi_comm import all_gather_rows, clear_shared_collectives
 from magi_comm.device_index import on_device
 from magi_kernels import apply_sink, check_sink, common_head_dim, pad_head_dim, resolve_backend
 from magi_kernels.validation import check_qkv, check_scale_softcap
-from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
+from magi_solver import KV_PLACEMENTS, AttnMaskType, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
 from magi_solver.ranges import AttnRange
 
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
@@ -31,6 +31,7 @@ _RUNTIMES: "OrderedDict[tuple, DistAttnRuntime]" = OrderedDict()
 _MOST_RECENT: dict[int, "DistAttnKey"] = {}
 
 SliceTuple = tuple[int, int, int, int, int]
+KV_SIDES = ("self", *KV_PLACEMENTS)  # where a key's K/V rows live: with the queries, or a cross key's placement
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ class DistAttnKey:
     def _new_runtime(self) -> DistAttnRuntime:
         return DistAttnRuntime(_plan(self), self.cp_rank, self.group, self.config)
 
-    def _agreement_fields(self) -> list[Field]:
-        return _key_fields(self)
+    def _kv_fields(self) -> list[Field]:
+        """The K/V side's agreement fields; every key has them, so that a rank holding a
+        cross-attention key and one holding a self-attention key compare field by field."""
+        return [labelled("kv_placement", "self", KV_SIDES), Field("total_seqlen_k", self.total_seqlen)]
 
 
 def _cache_id(key: DistAttnKey) -> tuple:
@@ -195,7 +198,7 @@ def _make_key(key: DistAttnKey, most_recent: bool = True) -> DistAttnKey:
     rank of its group holds the same key, and (``most_recent``) make it the group's most recent."""
     _get_runtime(key)
     if key.cp_size > 1:
-        check_agreement(key._agreement_fields(), key.group, key.config.comm_timeout_s, _KEY_CHECK)
+        check_agreement(_key_fields(key), key.group, key.config.comm_timeout_s, _KEY_CHECK)
     if most_recent:
         _MOST_RECENT[id(key.group)] = key
     return key
@@ -214,7 +217,7 @@ def _key_fields(key: DistAttnKey) -> list[Field]:
         Field("num_heads_q", key.num_heads_q), Field("num_heads_kv", key.num_heads_kv), Field("head_dim", key.head_dim),
         Field("number of mask slices", len(key.slices)), Field("mask slices", digest(key.slices), digest=True),
         Field("dispatch placement (the base key's mask, for a new-mask key)", digest(key.placement), digest=True),
-        *config_fields("dist_attn_config", key.config), group_field(key.group),
+        *key._kv_fields(), *config_fields("dist_attn_config", key.config), group_field(key.group),
     ]
 
 

@@ -34,6 +34,7 @@ from magi_solver import KV_PLACEMENTS, CrossAttnPlan
 
 from .agreement import Field, labelled
 from .api import (
+    KV_SIDES,
     DistAttnKey,
     _as_slices,
     _check_key,
@@ -106,9 +107,13 @@ class CrossAttnKey(DistAttnKey):
             dispatch_config=self.config.dispatch, overlap_config=self.config.overlap, kv_placement=self.kv_placement)
         return CrossAttnRuntime(plan, self.cp_rank, self.group, self.config)
 
-    def _agreement_fields(self) -> list[Field]:
-        return [*super()._agreement_fields(), Field("total_seqlen_k", self.total_seqlen_k),
-                labelled("kv_placement", self.kv_placement, KV_PLACEMENTS)]
+    def _kv_fields(self) -> list[Field]:
+        return [labelled("kv_placement", self.kv_placement, KV_SIDES), Field("total_seqlen_k", self.total_seqlen_k)]
+
+    @property
+    def kv_shard_seqlen(self) -> int:
+        """K/V rows of this rank's :func:`dispatch_kv` output."""
+        return self.runtime.kv_shard_seqlen
 
 
 def magi_attn_cross_key(
