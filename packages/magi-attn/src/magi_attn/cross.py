@@ -139,6 +139,8 @@ def magi_attn_cross_key(
     ``total_seqlen_k`` is at most one query shard, ``padded total_seqlen_q / cp_size``). Query
     placement follows ``dist_attn_config.dispatch``; the K/V side is contiguous shards. Collective
     over ``cp_group`` like :func:`magi_attn_flex_key`; new-mask keys over a cross key are refused.
+    A cross key does not become the group's :func:`get_most_recent_key`: that stays the
+    self-attention key the model's other layers dispatch with.
     """
     _check_key_args(num_heads_q, num_heads_kv, head_dim, dist_attn_config)
     if kv_placement not in KV_PLACEMENTS:
