@@ -25,6 +25,7 @@ import torch.distributed as dist
 from magi_attn import (
     DistAttnConfig,
     DistAttnKey,
+    batch_packing,
     calc_attn,
     dispatch,
     get_position_ids,
@@ -183,21 +184,9 @@ def _docs_from_position_ids(pos: torch.Tensor) -> tuple[list[int], list[int]]:
 
 def _padded_packing(mask: torch.Tensor) -> _Packing:
     """Each row's kept tokens (one contiguous run: left or right padding) become one document."""
-    b, s = mask.shape
-    m = mask.cpu()
-    lengths = m.sum(1).tolist()
-    firsts = m.int().argmax(1).tolist()
-    docs, offset = [], 0
-    for r in range(b):
-        n, first = lengths[r], firsts[r]
-        if n and not bool(m[r, first:first + n].all()):
-            raise ValueError(f"row {r} of attention_mask has padding between its tokens; the magi attention backend "
-                             "takes left or right padding (one run of tokens per row)")
-        if n:
-            docs.append((offset, offset + n, offset))
-            offset += n
-    rows = torch.nonzero(m.reshape(-1)).reshape(-1).to(mask.device)
-    return _Packing(rows, tuple(docs))
+    p = batch_packing(mask)
+    docs = tuple((a, e, a) for a, e in zip(p.cu_seqlens, p.cu_seqlens[1:]) if e > a)
+    return _Packing(p.rows, docs)
 
 
 @functools.lru_cache(maxsize=64)

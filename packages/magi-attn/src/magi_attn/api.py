@@ -14,7 +14,7 @@ import torch.distributed as dist
 from magi_comm import all_gather_rows, clear_shared_collectives
 from magi_kernels import apply_sink, check_sink, common_head_dim, on_device, pad_head_dim, resolve_backend
 from magi_kernels.validation import check_qkv, check_scale_softcap
-from magi_solver import AttnMaskType, AttnRange, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
+from magi_solver import KV_PLACEMENTS, AttnMaskType, AttnRange, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
 
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
 from .checks import check_group_alive, check_not_an_uninitialized_launch, cu_seqlens_list
@@ -29,6 +29,7 @@ _RUNTIMES: "OrderedDict[tuple, DistAttnRuntime]" = OrderedDict()
 _MOST_RECENT: dict[int, "DistAttnKey"] = {}
 
 SliceTuple = tuple[int, int, int, int, int]
+KV_SIDES = ("self", *KV_PLACEMENTS)  # where a key's K/V rows live: with the queries, or a cross key's placement
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,19 @@ class DistAttnKey:
         """The mask the token placement was balanced for (``placement``, else ``slices``)."""
         return self.slices if self.placement is None else self.placement
 
+    @property
+    def is_cross(self) -> bool:
+        """Whether queries and keys come from different sequences (see ``magi_attn.cross``)."""
+        return False
+
+    def _new_runtime(self) -> DistAttnRuntime:
+        return DistAttnRuntime(_plan(self), self.cp_rank, self.group, self.config)
+
+    def _kv_fields(self) -> list[Field]:
+        """The K/V side's agreement fields; every key has them, so that a rank holding a
+        cross-attention key and one holding a self-attention key compare field by field."""
+        return [labelled("kv_placement", "self", KV_SIDES), Field("total_seqlen_k", self.total_seqlen)]
+
 
 def _cache_id(key: DistAttnKey) -> tuple:
     return (key, id(key.group))
@@ -72,7 +86,7 @@ def _get_runtime(key: DistAttnKey) -> DistAttnRuntime:
     cid = _cache_id(key)
     rt = _RUNTIMES.get(cid)
     if rt is None:
-        rt = DistAttnRuntime(_plan(key), key.cp_rank, key.group, key.config)
+        rt = key._new_runtime()
         _RUNTIMES[cid] = rt
         while len(_RUNTIMES) > _CACHE_SIZE:
             _RUNTIMES.popitem(last=False)
@@ -149,18 +163,16 @@ def magi_attn_flex_key(
 
     ``cp_group=None`` means a single rank (no communication, no process group needed). The plan
     is built (and cached) on first use; every rank of the group builds the same plan.
+
+    ``total_seqlen_q != total_seqlen_k`` is cross-attention: this returns
+    :func:`magi_attn.magi_attn_cross_key` of the same arguments (``kv_placement="auto"``).
     """
     if total_seqlen_q != total_seqlen_k:
-        raise NotImplementedError(
-            f"only self-attention is supported (total_seqlen_q={total_seqlen_q} != total_seqlen_k={total_seqlen_k})"
-        )
-    for name, val in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if num_heads_q % num_heads_kv:
-        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
-    if not isinstance(dist_attn_config, DistAttnConfig):
-        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
+        from .cross import magi_attn_cross_key  # cross.py builds on this module
+
+        return magi_attn_cross_key(q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k, num_heads_q,
+                                   num_heads_kv, head_dim, cp_group, dist_attn_config=dist_attn_config)
+    _check_key_args(num_heads_q, num_heads_kv, head_dim, dist_attn_config)
     slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
     cp_size, cp_rank = _group_info(cp_group)
     return _make_key(DistAttnKey(
@@ -169,13 +181,24 @@ def magi_attn_flex_key(
     ))
 
 
-def _make_key(key: DistAttnKey) -> DistAttnKey:
+def _check_key_args(num_heads_q: int, num_heads_kv: int, head_dim: int, dist_attn_config: DistAttnConfig) -> None:
+    for name, val in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    if not isinstance(dist_attn_config, DistAttnConfig):
+        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
+
+
+def _make_key(key: DistAttnKey, most_recent: bool = True) -> DistAttnKey:
     """Plan ``key`` now (validation errors surface here, not inside the model), check that every
-    rank of its group holds the same key, and make it the group's most recent."""
+    rank of its group holds the same key, and (``most_recent``) make it the group's most recent."""
     _get_runtime(key)
     if key.cp_size > 1:
         check_agreement(_key_fields(key), key.group, key.config.comm_timeout_s, _KEY_CHECK)
-    _MOST_RECENT[id(key.group)] = key
+    if most_recent:
+        _MOST_RECENT[id(key.group)] = key
     return key
 
 
@@ -192,7 +215,7 @@ def _key_fields(key: DistAttnKey) -> list[Field]:
         Field("num_heads_q", key.num_heads_q), Field("num_heads_kv", key.num_heads_kv), Field("head_dim", key.head_dim),
         Field("number of mask slices", len(key.slices)), Field("mask slices", digest(key.slices), digest=True),
         Field("dispatch placement (the base key's mask, for a new-mask key)", digest(key.placement), digest=True),
-        *config_fields("dist_attn_config", key.config), group_field(key.group),
+        *key._kv_fields(), *config_fields("dist_attn_config", key.config), group_field(key.group),
     ]
 
 
@@ -266,6 +289,7 @@ def magi_attn_flex_key_for_new_mask(
     """
     fn = "magi_attn_flex_key_for_new_mask"
     _check_key(base_key, fn, "base_key")
+    _check_self_attention(base_key, fn)
     return _new_mask_key(base_key, _as_slices(q_ranges, k_ranges, attn_mask_type), dist_attn_config, fn)
 
 
@@ -282,6 +306,7 @@ def magi_attn_varlen_key_for_new_mask(
     window, as in :func:`magi_attn_varlen_key`); the documents must cover ``base_key``'s sequence."""
     fn = "magi_attn_varlen_key_for_new_mask"
     _check_key(base_key, fn, "base_key")
+    _check_self_attention(base_key, fn)
     slices, total_q, total_k = _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window_size)
     for name, total in (("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k)):
         if total != base_key.total_seqlen:
@@ -360,6 +385,12 @@ def _check_key(key: object, fn: str, name: str = "key") -> None:
     check_group_alive(key.group, key.cp_size, key.cp_rank)
 
 
+def _check_self_attention(base_key: DistAttnKey, fn: str) -> None:
+    if base_key.is_cross:
+        raise NotImplementedError(f"{fn}: base_key is a cross-attention key; a new mask over its dispatch is not "
+                                  "supported: build another magi_attn_cross_key for the other mask")
+
+
 def get_position_ids(key: DistAttnKey) -> torch.Tensor:
     """Global positions of this rank's dispatched tokens (for RoPE); padding gets the last one."""
     return key.runtime.position_ids.clone()
@@ -408,7 +439,9 @@ def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch
     every rank), padded and permuted as planned. Backward all-gathers the gradient."""
     _check_key(key, "dispatch")
     if x.shape[0] != key.total_seqlen:
-        raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen), got {x.shape[0]}")
+        hint = (" (the query side of a cross-attention key; K/V-side tensors go through dispatch_kv)"
+                if key.is_cross else "")
+        raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen){hint}, got {x.shape[0]}")
     return _Dispatch.apply(x, key.runtime, pad_value)
 
 
@@ -448,11 +481,12 @@ def calc_attn(
     check_sink(sink, q)
     rt = key.runtime
     expect_q = (rt.shard_seqlen, key.num_heads_q, key.head_dim)
-    expect_k = (rt.shard_seqlen, key.num_heads_kv, key.head_dim)
+    expect_k = (rt.kv_shard_seqlen, key.num_heads_kv, key.head_dim)
     if tuple(q.shape) != expect_q:
         raise ValueError(f"q must be [shard_seqlen, num_heads_q, head_dim]={expect_q} for this key, got {tuple(q.shape)}")
     if tuple(k.shape) != expect_k:
-        raise ValueError(f"k must be [shard_seqlen, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
+        side = "kv_shard_seqlen (dispatch_kv's rows)" if key.is_cross else "shard_seqlen"
+        raise ValueError(f"k must be [{side}, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
     scale, cap = check_scale_softcap(softmax_scale, softcap, key.head_dim)
     backend = resolve_backend(key.config.kernel_backend, q)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))

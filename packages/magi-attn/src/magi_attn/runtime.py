@@ -45,6 +45,7 @@ class DistAttnRuntime:
         self.shard_seqlen = d.shard_seqlen
         self.total_seqlen = d.total_seqlen
         self.padded_seqlen = d.padded_seqlen
+        self.kv_shard_seqlen = plan.kv_shard_seqlen  # local K/V rows (shard_seqlen unless cross-attention)
         chunk_rows = torch.arange(cs, dtype=torch.long)
         per_rank = [
             (torch.tensor(part, dtype=torch.long)[:, None] * cs + chunk_rows[None, :]).reshape(-1)
@@ -77,6 +78,6 @@ class DistAttnRuntime:
             c = self.calc
             host = SliceArgs.build(c.host, c.host_area)
             stages = [SliceArgs.build(s, a) for s, a in zip(c.stages, c.stage_areas)]
-            merged = SliceArgs.build(c.merged(self.shard_seqlen), c.host_area + sum(c.stage_areas))
+            merged = SliceArgs.build(c.merged(self.kv_shard_seqlen), c.host_area + sum(c.stage_areas))
             self._slice_args = (host, stages, merged)
         return self._slice_args

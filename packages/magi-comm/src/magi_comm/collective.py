@@ -118,8 +118,8 @@ class IpcCollective(GroupCollective):
 
     def _collectives(self, x: torch.Tensor) -> IpcGroupCollectives:
         if self._ipc is None:
-            # a cast reads this rank's whole shard and writes its output; a reduce the reverse
-            most = max(max(sum(p.input_split_sizes), sum(p.output_split_sizes)) for p in self.stages)
+            # a cast reads this rank's whole shard (x, on the first call) and writes its output; a reduce the reverse
+            most = max([x.shape[0]] + [max(sum(p.input_split_sizes), sum(p.output_split_sizes)) for p in self.stages])
             nbytes = most * x[0].numel() * max(x.element_size(), 4) + 256
             self._ipc = IpcGroupCollectives(self.group, nbytes, x.device)
         return self._ipc

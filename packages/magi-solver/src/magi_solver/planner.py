@@ -96,13 +96,25 @@ class DistAttnPlan:
         else:
             _check_reused_dispatch(dispatch, total_seqlen, cp_size, dispatch_config)
             self.dispatch = dispatch.for_slices(slices)
-        d = self.dispatch
-        self.chunk_owner = d.chunk_owner()
-        self.host_ranges = [d.rank_ranges(r) for r in range(cp_size)]
-        self.remote_ranges = [self._needed_k(r).subtract(self.host_ranges[r]) for r in range(cp_size)]
+        # self-attention: K/V rows sit where their query rows do (CrossAttnPlan places them apart)
+        self._plan_kv(self.dispatch, [self.dispatch.rank_ranges(r) for r in range(cp_size)])
+
+    def _plan_kv(self, kv_dispatch: DispatchPlan, host_ranges: list[AttnRanges]) -> None:
+        """Plan the K/V side: ``kv_dispatch`` places the K/V rows (chunk size, owners, shard
+        length), ``host_ranges[r]`` the global K/V rows rank r holds; the query side is
+        ``self.dispatch``."""
+        self.kv_dispatch = kv_dispatch
+        self.chunk_owner = kv_dispatch.chunk_owner()
+        self.host_ranges = host_ranges
+        self.remote_ranges = [self._needed_k(r).subtract(self.host_ranges[r]) for r in range(self.cp_size)]
         self.stage_ranges = self._plan_stages()  # [stage][rank] -> merged global ranges
         self._cast_cache: dict[tuple[int, int], GroupCastPlan] = {}
         self._calc_cache: dict[int, RankCalcPlan] = {}
+
+    @property
+    def kv_shard_seqlen(self) -> int:
+        """K/V rows of each rank's local shard (the query shard's length in self-attention)."""
+        return self.kv_dispatch.shard_seqlen
 
     # -- KV needs ------------------------------------------------------------------------------
     def _rank_bands(self, rank: int) -> list[tuple[int, Band]]:
@@ -163,7 +175,7 @@ class DistAttnPlan:
 
     # -- communication -------------------------------------------------------------------------
     def _to_local(self, rank: int, r: AttnRange) -> AttnRange:
-        cs = self.dispatch.chunk_size
+        cs = self.kv_dispatch.chunk_size
         c = r.start // cs
         owner, pos = self.chunk_owner[c]
         if owner != rank:
@@ -179,7 +191,7 @@ class DistAttnPlan:
         return self._cast_cache[key]
 
     def _build_cast_plan(self, stage: int, rank: int) -> GroupCastPlan:
-        cs = self.dispatch.chunk_size
+        cs = self.kv_dispatch.chunk_size
         host = self.host_ranges[rank]
         pieces: list[tuple[int, int, int]] = []
         for dst in range(self.cp_size):
@@ -188,7 +200,7 @@ class DistAttnPlan:
             for g in self.stage_ranges[stage][dst].intersect(host):
                 loc = self._to_local(rank, g)
                 pieces.append((loc.start, loc.end, dst))
-        in_sizes, dsts = segments_with_destinations(self.dispatch.shard_seqlen, pieces)
+        in_sizes, dsts = segments_with_destinations(self.kv_shard_seqlen, pieces)
         out_sizes: list[int] = []
         src: list[int] = []
         for r in self.stage_ranges[stage][rank]:
