@@ -125,10 +125,11 @@ def ulysses_degree(shape: Shape, cp: int, ranks_per_node: int) -> int:
 def simulate_usp(slices: Sequence[AttnSlice], total: int, cp: int, shape: Shape, cost: KernelCostModel,
                  links: LinkModel, ulysses: int | None = None) -> Result | None:
     """USP: Ulysses over ``ulysses`` ranks of a node, zigzag ring over the ``cp / ulysses`` groups.
-    ``ulysses=cp`` is plain Ulysses. None when the heads do not split that way."""
+    ``ulysses=cp`` is plain Ulysses. None when the heads do not split that way, or when the
+    automatic degree covers all of cp (then it is plain Ulysses: see :func:`simulate_ulysses`)."""
     u = ulysses_degree(shape, cp, links.ranks_per_node) if ulysses is None else ulysses
-    if cp % u or shape.heads_q % u:
-        return None
+    if cp % u or shape.heads_q % u or (ulysses is None and u == cp):
+        return None  # heads do not split so, or (one node) USP would be plain Ulysses
     ring = cp // u
     heads = shape.heads_q // u
     kv_heads = math.ceil(shape.heads_kv / u)  # KV heads repeated up to the Ulysses degree when fewer

@@ -139,5 +139,6 @@ def simulate(programs: Sequence[Sequence[Op]], durations: dict[Hashable, Sequenc
     end = [max(t[r], comm_free[r]) for r in range(n)]
     makespan = max(end, default=0.0)
     transfer = [sum(e - s for s, e in busy[r]) for r in range(n)]
-    return Timeline(tuple(RankTimes(end[r], compute[r], transfer[r], exposed[r], makespan - compute[r] - exposed[r])
+    return Timeline(tuple(RankTimes(end[r], compute[r], transfer[r], exposed[r],
+                                    max(0.0, makespan - compute[r] - exposed[r]))
                           for r in range(n)))
