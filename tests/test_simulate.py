@@ -169,3 +169,22 @@ def test_cli_simulate_rejects_bad_flags(capsys, argv, message):
 def test_cli_simulate_unfitted_head_dim_is_a_clear_error(capsys):
     assert main(["simulate", "--cp", "2", "--head-dim", "64", "--quiet"]) == 1
     assert "head_dim=64" in capsys.readouterr().err
+
+
+def test_calibration_script_smoke(tmp_path):
+    """bench/calibrate_sim.py (the lead runs it on a GPU) still runs: CPU, tiny sizes."""
+    import importlib
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "bench"))
+    try:
+        calibrate = importlib.import_module("calibrate_sim")
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "calib.json"
+    assert calibrate.main(["--smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["smoke"] and len(report["ranks"]) == 2 and report["launches"]
+    assert all(r["measured_fwd_ms"] > 0 and r["simulated_fwd_ms"] >= 0 for r in report["ranks"])
