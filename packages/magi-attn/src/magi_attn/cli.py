@@ -147,7 +147,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     links = LinkModel(args.ranks_per_node or 8, args.nvlink_gbps * 1e9, args.ib_gbps * 1e9)
     sim = Simulator(KernelCostModel(args.device), links, Shape(args.heads_q, args.heads_kv, args.head_dim),
-                    DistAttnConfig(overlap=OverlapConfig(degree=None if args.degree == "auto" else int(args.degree))))
+                    DistAttnConfig(overlap=OverlapConfig(degree=None if args.degree == "auto" else int(args.degree)),
+                                   comm_backend=args.comm))
     cases = [Case(m, t, cp) for m in args.masks for t in args.tokens_per_gpu for cp in args.cp]
 
     def bar(items, desc):
@@ -160,7 +161,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "note": ("Simulated, not measured: per-stage kernel times from a cost model fitted to single-GPU kernel "
                  "measurements, transfers from a link model; see README 'Simulated scaling'."),
         "cost_model": sim.cost.describe(), "links": asdict(links), "shape": asdict(sim.shape),
-        "magi_overlap_degree": args.degree, "rows": rows,
+        "magi_overlap_degree": args.degree, "magi_comm_backend": args.comm, "rows": rows,
     }
     if args.check_degrees:
         report["degree_check"] = degree_check(sim, cases, lambda it: bar(list(it), "degrees"))
@@ -271,6 +272,8 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--heads-kv", type=_positive_int, default=8)
     p.add_argument("--head-dim", type=_positive_int, default=128, help="the cost model knows 128 only")
     p.add_argument("--degree", type=_degree, default="auto", help="magi's overlap degree: auto (None) or an int")
+    p.add_argument("--comm", choices=("a2a", "hier"), default="a2a",
+                   help="magi's GroupCast/GroupReduce backend (hier: one inter-node copy per destination node)")
     p.add_argument("--ranks-per-node", type=_positive_int, default=8)
     p.add_argument("--nvlink-gbps", type=_positive_float, default=360.0, help="effective NVLink GB/s per direction")
     p.add_argument("--ib-gbps", type=_positive_float, default=40.0, help="effective InfiniBand GB/s per GPU")

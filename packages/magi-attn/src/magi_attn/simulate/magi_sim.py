@@ -91,20 +91,70 @@ def _traffic(plan: DistAttnPlan, stage: int, row_bytes: int, reduce: bool) -> li
     return out
 
 
+def _transpose(traffic: list[dict[int, float]]) -> list[dict[int, float]]:
+    out: list[dict[int, float]] = [{} for _ in traffic]
+    for src, row in enumerate(traffic):
+        for dst, nbytes in row.items():
+            out[dst][src] = out[dst].get(src, 0.0) + nbytes
+    return out
+
+
+def _two_hop(plan: DistAttnPlan, stage: int, row_bytes: int, per_node: int) -> tuple[list[dict], list[dict]]:
+    """The ``"hier"`` backend's two hops of a stage's cast (magi_comm.hierarchical): each split goes
+    once to the proxy of every node holding a destination (the rank of that node with the
+    sender's local index), which forwards it to the destinations on its node."""
+    hop1: list[dict[int, float]] = [{} for _ in range(plan.cp_size)]
+    hop2: list[dict[int, float]] = [{} for _ in range(plan.cp_size)]
+    for r in range(plan.cp_size):
+        p = plan.cast_plan(stage, r)
+        for n, dsts in zip(p.input_split_sizes, p.dst_indices):
+            for node in {d // per_node for d in dsts}:
+                proxy = node * per_node + r % per_node
+                if proxy != r:
+                    hop1[r][proxy] = hop1[r].get(proxy, 0.0) + n * row_bytes
+                for d in dsts:
+                    if d // per_node == node and d != proxy:
+                        hop2[proxy][d] = hop2[proxy].get(d, 0.0) + n * row_bytes
+    return hop1, hop2
+
+
+def _stage_durations(plan: DistAttnPlan, links: LinkModel, comm_backend: str, kv_row: int,
+                     dkv_row: int) -> dict:
+    """Per stage, every rank's seconds of its KV cast and of its dK/dV reduce."""
+    out: dict = {}
+    for s in range(plan.num_stages):
+        if comm_backend == "hier":
+            # two collectives one after the other; the reduce runs the transposed hops in reverse
+            c1, c2 = _two_hop(plan, s, kv_row, links.ranks_per_node)
+            r1, r2 = _two_hop(plan, s, dkv_row, links.ranks_per_node)
+            out[("cast", s)] = [a + b for a, b in zip(links.collective_s(c1), links.collective_s(c2))]
+            out[("reduce", s)] = [a + b for a, b in zip(links.collective_s(_transpose(r2)),
+                                                        links.collective_s(_transpose(r1)))]
+        else:
+            out[("cast", s)] = links.collective_s(_traffic(plan, s, kv_row, reduce=False))
+            out[("reduce", s)] = links.collective_s(_traffic(plan, s, dkv_row, reduce=True))
+    return out
+
+
 def simulate_magi(slices: Sequence[AttnSlice], total: int, cp: int, shape: Shape, cost: KernelCostModel,
                   links: LinkModel, config: DistAttnConfig = DistAttnConfig(),
                   plan: DistAttnPlan | None = None) -> Result:
-    """Forward and backward of calc_attn on every rank of ``cp`` for one mask."""
+    """Forward and backward of calc_attn on every rank of ``cp`` for one mask. ``config.comm_backend``
+    ``"a2a"`` and ``"ipc"`` move every row straight to each destination; ``"hier"`` takes two hops
+    (one inter-node copy per destination node); ranks per node are ``links.ranks_per_node``."""
     plan = plan or build_plan(slices, total, cp, shape, config)
     shard = plan.dispatch.shard_seqlen
     hq = shape.heads_q
     n = plan.num_stages
     kv_row = 2 * shape.heads_kv * shape.head_dim * KV_BYTES
     dkv_row = 2 * shape.heads_kv * shape.head_dim * DKV_BYTES
-    durations: dict = {}
-    for s in range(n):
-        durations[("cast", s)] = links.collective_s(_traffic(plan, s, kv_row, reduce=False))
-        durations[("reduce", s)] = links.collective_s(_traffic(plan, s, dkv_row, reduce=True))
+    if config.comm_backend == "ipc" and cp > links.ranks_per_node:
+        raise ValueError(f"comm_backend='ipc' runs inside one node only, but cp={cp} > ranks_per_node="
+                         f"{links.ranks_per_node}; simulate 'a2a' or 'hier'")
+    if config.comm_backend == "hier" and cp % links.ranks_per_node:
+        raise ValueError(f"comm_backend='hier' needs whole nodes: cp={cp} is not a multiple of ranks_per_node="
+                         f"{links.ranks_per_node}")
+    durations = _stage_durations(plan, links, config.comm_backend, kv_row, dkv_row)
     no_overlap = config.overlap.degree == 0
     fwd_progs: list[list[Op]] = []
     bwd_progs: list[list[Op]] = []
