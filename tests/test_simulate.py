@@ -212,3 +212,27 @@ def test_hier_backend_sends_each_row_once_per_destination_node(cost):
     assert hier.fwd.makespan < flat.fwd.makespan and hier.bwd.makespan < flat.bwd.makespan
     with pytest.raises(ValueError, match="whole nodes"):
         simulate_magi(sl, total, 6, shape, cost, links, DistAttnConfig(comm_backend="hier"))
+
+
+def test_planner_step_cost_trades_fixed_costs_against_overlap():
+    """The dynamic degree's model: with nothing to hide, one stage (every stage costs its fixed
+    merge and latency); with the wire dominating and no fixed cost, more stages."""
+    from magi_solver.overlap import RankCosts, best_degree, step_cost
+
+    calc, comm = (1.0,) * 8, (0.01,) * 8
+    cheap_wire = [RankCosts(1.0, calc, comm, merge_s=0.2, dq_add_s=0.2, sources=tuple({1 - r: c} for c in comm))
+                  for r in range(2)]
+    assert best_degree(cheap_wire, 8, latency_s=0.01) == 1
+    heavy_wire = [RankCosts(0.5, (0.5,) * 8, (1.0,) * 8) for _ in range(2)]
+    d = best_degree(heavy_wire, 8, latency_s=0.0)
+    assert d >= 4 and step_cost(heavy_wire, d, 0.0) < 0.8 * step_cost(heavy_wire, 1, 0.0)
+    # the slowest rank sets the pace: a second, idle rank changes nothing
+    one = [RankCosts(1.0, calc, comm)]
+    assert step_cost(one + [RankCosts(0.0, (0.0,) * 8, (0.0,) * 8)], 2, 0.0) == step_cost(one, 2, 0.0)
+
+
+@pytest.mark.parametrize("field, value", [("intra_node_gbps", 0.0), ("memory_gbps", -1.0), ("ranks_per_node", 0),
+                                          ("stage_latency_us", -1.0)])
+def test_overlap_config_rejects_bad_cost_model_values(field, value):
+    with pytest.raises(ValueError, match=f"OverlapConfig.{field}"):
+        OverlapConfig(**{field: value})
