@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args(argv)
     if args.smoke:
-        args.cp, args.tokens_per_gpu, args.heads_q, args.heads_kv, args.reps = 2, 256, 2, 1, 1
+        args.cp, args.tokens_per_gpu, args.heads_q, args.heads_kv, args.reps = 2, 128, 1, 1, 1
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         print("calibrate_sim: no GPU; timing CPU kernels says nothing about the model (use --smoke to check "

@@ -147,13 +147,15 @@ def test_auto_degree_within_3_percent_of_the_best_fixed_degree(cost):
 def test_cli_simulate_smoke(capsys, tmp_path):
     png = tmp_path / "sim.png"
     code = main(["simulate", "--cp", "2,4", "--tokens-per-gpu", "1024", "--masks", "causal,varlen_full",
-                 "--quiet", "--check-degrees", "--plot", str(png), "--ranks-per-node", "2"])
+                 "--quiet", "--check-degrees", "--plot", str(png), "--ranks-per-node", "2", "--per-rank"])
     out = capsys.readouterr()
     assert code == 0
     report = json.loads(out.out)
     assert report["SIMULATED"] is True and "SIMULATED" in out.err
     assert {r["method"] for r in report["rows"]} == {"magi", "ring", "ulysses", "usp"}
     assert len(report["degree_check"]) == 4 and png.stat().st_size > 0
+    ranks = report["rows"][0]["per_rank_ms"]["fwd"]
+    assert len(ranks) == report["rows"][0]["cp"] and set(ranks[0]) == {"end", "compute", "transfer", "exposed", "idle"}
 
 
 @pytest.mark.parametrize("argv, message", [

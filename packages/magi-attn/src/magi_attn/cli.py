@@ -155,7 +155,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return tqdm(items, desc=desc, file=sys.stderr, disable=args.quiet)
 
     t0 = time.perf_counter()
-    rows = sweep(sim, cases, args.methods, lambda it: bar(list(it), "simulate"))
+    rows = sweep(sim, cases, args.methods, lambda it: bar(list(it), "simulate"), per_rank=args.per_rank)
     report = {
         "SIMULATED": True,
         "note": ("Simulated, not measured: per-stage kernel times from a cost model fitted to single-GPU kernel "
@@ -279,6 +279,8 @@ def _simulate_parser(sub) -> None:
     p.add_argument("--ib-gbps", type=_positive_float, default=40.0, help="effective InfiniBand GB/s per GPU")
     p.add_argument("--check-degrees", action="store_true",
                    help="also compare magi's automatic degree with every fixed degree 1..8")
+    p.add_argument("--per-rank", action="store_true",
+                   help="every rank's end, compute, transfer, exposed transfer and idle (ms), not just the slowest")
     p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s per GPU against cp (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 

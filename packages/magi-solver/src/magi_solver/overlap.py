@@ -28,8 +28,8 @@ class OverlapConfig:
     Args:
         degree: remote stages. ``0`` = no overlap (one blocking cast, then one kernel over
             local+remote KV, no LSE merge); ``1`` = host stage + one remote stage; ``None`` =
-            pick per rank the degree with the cheapest timeline (1..dynamic_max_degree) and use
-            the largest of all ranks.
+            the degree (1..dynamic_max_degree) whose estimated forward+backward step, all ranks
+            together, is cheapest (see the module docstring; the fields below price it).
         min_chunk_size: smallest remote KV chunk (tokens) that the stages are built from.
         max_num_chunks: at most this many remote chunks per rank (chunks grow to fit).
         dynamic_max_degree: upper bound of the dynamic search.

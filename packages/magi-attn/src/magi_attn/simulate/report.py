@@ -81,8 +81,9 @@ class Simulator:
         return out
 
 
-def row(case: Case, res: Result) -> dict:
-    """One table row: per-GPU TFLOP/s and where the slowest rank's time went (ms)."""
+def row(case: Case, res: Result, per_rank: bool = False) -> dict:
+    """One table row: per-GPU TFLOP/s and where the slowest rank's time went (ms); with
+    ``per_rank``, every rank's end, compute, transfer, exposed transfer and idle time too."""
     out = {"mask": case.mask, "tokens_per_gpu": case.tokens_per_gpu, "cp": case.cp, "method": res.method,
            "fwd_tflops_per_gpu": round(res.tflops_per_gpu("fwd"), 1),
            "bwd_tflops_per_gpu": round(res.tflops_per_gpu("bwd"), 1)}
@@ -91,18 +92,22 @@ def row(case: Case, res: Result) -> dict:
         for f in ("compute", "transfer", "exposed", "idle"):
             out[f"{name}_{f}_ms_max"] = round(tl.worst(f) * 1e3, 3)
     out.update(res.detail)
+    if per_rank:
+        out["per_rank_ms"] = {name: [{k: round(v * 1e3, 4) for k, v in vars(r).items()} for r in tl.ranks]
+                              for name, tl in (("fwd", res.fwd), ("bwd", res.bwd))}
     return out
 
 
 def sweep(sim: Simulator, cases: Sequence[Case], methods: Sequence[str],
-          progress: Callable[[Iterable], Iterable] = iter) -> list[dict]:
+          progress: Callable[[Iterable], Iterable] = iter, per_rank: bool = False) -> list[dict]:
+    """A table row per (case, method) that can run it."""
     rows = []
     for case, method in progress([(c, m) for c in cases for m in methods]):
         res = sim.run(case, method)
         if res is None:
             logger.info("%s cannot run %s at cp=%d (heads do not split)", method, case.mask, case.cp)
             continue
-        rows.append(row(case, res))
+        rows.append(row(case, res, per_rank))
     return rows
 
 
