@@ -3,7 +3,8 @@
 * ring: zigzag shards (rank r holds chunks r and 2cp-1-r of 2cp, as ``magi_attn.baselines``);
   cp steps, each computes the local queries against one rank's KV while that KV moves on to the
   next rank (send/recv overlapped with the step's kernel); every step LSE-merges into the output.
-  The backward sends KV forward and the accumulated fp32 dK/dV along with it.
+  The backward sends KV forward and the accumulated fp32 dK/dV along with it. Each step's
+  send/recv is one group-wide step (the slowest link, e.g. the one crossing nodes, paces it).
 * ulysses: all-to-all from sequence- to head-sharding (q, k, v), one full-sequence kernel on
   ``heads_q / cp`` heads, all-to-all back; no overlap. Needs ``heads_q % cp == 0`` (KV heads are
   repeated when fewer than cp, as ``magi_attn.baselines.ulysses_attn`` does).
