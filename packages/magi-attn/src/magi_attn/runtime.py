@@ -60,7 +60,8 @@ class DistAttnRuntime:
         # stage s: cast_plans[s] brings remote KV here; its transpose sums dK/dV back
         self.comm: GroupCollective = make_group_collective(
             config.comm_backend, self.cast_plans, group,
-            timeout_s=config.comm_timeout_s, ranks_per_node=config.ranks_per_node)
+            timeout_s=config.comm_timeout_s, ranks_per_node=config.ranks_per_node,
+            ordered=config.deterministic or torch.are_deterministic_algorithms_enabled())
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
         # the (dtype, device, scale, softcap, backend, autograd) the ranks last agreed on (agreement.py)
         self.agreed_call: tuple | None = None

@@ -20,12 +20,14 @@ from .hierarchical import HierarchicalCollectives, clear_shared_collectives
 from .index_plan import A2AIndexPlan, cast_index_plan, reduce_index_plan
 from .ipc import IpcGroupCollectives, ipc_supported
 from .native import native_build_info
+from .ordered_add import add_rows, row_layers
 from .two_hop_plan import NodeTopology, TwoHopPlan, inter_node_rows
 from .waiting import DEFAULT_TIMEOUT_S, PeerFailureError
 
 __version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
 __all__ = [
+    "add_rows", "row_layers",
     "COLLECTIVE_KINDS", "COMM_STATS", "DEFAULT_TIMEOUT_S", "REDUCE_OPS",
     "A2AIndexPlan", "CastStage", "GroupCollective", "HierarchicalCollectives", "IpcGroupCollectives", "NodeTopology",
     "PeerFailureError", "PendingCollective", "TwoHopPlan",

@@ -71,10 +71,11 @@ class GroupCollective(abc.ABC):
     kind: str
 
     def __init__(self, stages: Sequence[CastStage], group: dist.ProcessGroup | None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False):
         self.stages = tuple(stages)
         self.group = group
         self.timeout_s = timeout_s
+        self.ordered = ordered  # reduce in a fixed order: bitwise reproducible (magi_comm.add_rows)
 
     @abc.abstractmethod
     def cast(self, input: torch.Tensor, stage: int) -> PendingCollective:
@@ -99,7 +100,7 @@ class AllToAllCollective(GroupCollective):
 
     def reduce(self, partial: torch.Tensor, output: torch.Tensor, stage: int) -> PendingCollective:
         return group_reduce(partial, output, group=self.group, op="sum", async_op=True, timeout_s=self.timeout_s,
-                            **_reduce_args(self.stages[stage]))
+                            ordered=self.ordered, **_reduce_args(self.stages[stage]))
 
 
 class IpcCollective(GroupCollective):
@@ -111,10 +112,10 @@ class IpcCollective(GroupCollective):
     kind = "ipc"
 
     def __init__(self, stages: Sequence[CastStage], group: dist.ProcessGroup | None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
-        super().__init__(stages, group, timeout_s)
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False):
+        super().__init__(stages, group, timeout_s, ordered)
         self._ipc: IpcGroupCollectives | None = None
-        self._all_to_all = AllToAllCollective(stages, group, timeout_s)
+        self._all_to_all = AllToAllCollective(stages, group, timeout_s, ordered)
 
     def _collectives(self, x: torch.Tensor) -> IpcGroupCollectives:
         if self._ipc is None:
@@ -129,7 +130,7 @@ class IpcCollective(GroupCollective):
         return PendingCollective.finished(out)
 
     def reduce(self, partial: torch.Tensor, output: torch.Tensor, stage: int) -> PendingCollective:
-        if output.dtype != torch.float32:
+        if output.dtype != torch.float32 or self.ordered:  # the IPC reduce adds with atomics, in no fixed order
             return self._all_to_all.reduce(partial, output, stage)
         self._collectives(partial).group_reduce(partial, output, **_reduce_args(self.stages[stage]))
         return PendingCollective.finished(output)
@@ -144,8 +145,8 @@ class NodeAwareCollective(GroupCollective):
     kind = "hier"
 
     def __init__(self, stages: Sequence[CastStage], group: dist.ProcessGroup, ranks_per_node: int | None = None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
-        super().__init__(stages, group, timeout_s)
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False):
+        super().__init__(stages, group, timeout_s, ordered)
         self.ranks_per_node = ranks_per_node
         self._planned: tuple[HierarchicalCollectives, list[TwoHopPlan]] | None = None
 
@@ -165,7 +166,7 @@ class NodeAwareCollective(GroupCollective):
     def reduce(self, partial: torch.Tensor, output: torch.Tensor, stage: int) -> PendingCollective:
         hc, plans = self._plans(partial)
         return hc.group_reduce(partial, output, op="sum", async_op=True, plan=plans[stage],
-                               timeout_s=self.timeout_s, **_reduce_args(self.stages[stage]))
+                               timeout_s=self.timeout_s, ordered=self.ordered, **_reduce_args(self.stages[stage]))
 
 
 def make_group_collective(
@@ -175,17 +176,20 @@ def make_group_collective(
     *,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ranks_per_node: int | None = None,
+    ordered: bool = False,
 ) -> GroupCollective:
     """The :class:`GroupCollective` of transport ``kind`` (one of :data:`COLLECTIVE_KINDS`) for
     ``stages`` over ``group``. Nothing is communicated here: the IPC arena, the node groups and
     the two-hop plans are made on the first call (collectively). ``ranks_per_node``: node size
     for ``"hier"`` (None: ``LOCAL_WORLD_SIZE`` when set by torchrun, else one node). With no
     process group (``group=None``) there is nothing to route across nodes, so ``"hier"`` runs
-    the all-to-all path. ``timeout_s``: see :class:`magi_comm.PendingCollective`."""
+    the all-to-all path. ``timeout_s``: see :class:`magi_comm.PendingCollective`. ``ordered``:
+    every reduce sums in a fixed order, bitwise reproducible (:func:`magi_comm.add_rows`; with
+    ``"ipc"`` the reduce then runs over all-to-all)."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown group collective kind {kind!r}; choose one of {COLLECTIVE_KINDS}")
     if kind == "ipc":
-        return IpcCollective(stages, group, timeout_s)
+        return IpcCollective(stages, group, timeout_s, ordered)
     if kind == "hier" and group is not None:
-        return NodeAwareCollective(stages, group, ranks_per_node, timeout_s)
-    return AllToAllCollective(stages, group, timeout_s)
+        return NodeAwareCollective(stages, group, ranks_per_node, timeout_s, ordered)
+    return AllToAllCollective(stages, group, timeout_s, ordered)

@@ -16,6 +16,7 @@ from magi_kernels import on_device
 
 from . import native
 from .index_plan import A2AIndexPlan, cast_index_plan, reduce_index_plan
+from .ordered_add import add_rows
 from .waiting import DEFAULT_TIMEOUT_S, wait_works
 
 REDUCE_OPS = ("sum", "lse")
@@ -163,6 +164,7 @@ def group_reduce(
     output_lse: torch.Tensor | None = None,
     async_op: bool = False,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ordered: bool = False,
 ):
     """Send input split ``i`` to rank ``dst_index[i]``; output split ``j`` is reduced *in place*
     (accumulated onto ``output``) from the partials of every rank in ``src_indices[j]``.
@@ -170,6 +172,7 @@ def group_reduce(
     ``op="sum"`` adds; ``op="lse"`` merges partial attention outputs with their LSEs
     (``input_lse``/``output_lse`` ``[rows, heads]``; ``output_lse`` is updated in place too).
     Returns ``output`` or a :class:`PendingCollective`; ``timeout_s`` as in :func:`group_cast`.
+    ``ordered``: sums in a fixed order (:func:`magi_comm.add_rows`), bitwise reproducible on GPU.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
@@ -190,7 +193,7 @@ def group_reduce(
     def finish():
         rows = on_device(plan.recv_rows, output.device)
         if op == "sum":
-            output.index_add_(0, rows, bufs[0].to(output.dtype))
+            add_rows(output, rows, bufs[0], ordered=ordered, rows_host=plan.recv_rows)
         else:
             lse_scatter_merge(output, output_lse, rows, bufs[0], bufs[1])
         return output

@@ -23,10 +23,11 @@ from typing import Hashable
 import torch
 import torch.distributed as dist
 
-from magi_kernels import on_device
+from magi_kernels import on_device, per_tensor
 
 from .group_collective import COMM_STATS, REDUCE_OPS, PendingCollective, exchange_rows, lse_scatter_merge
 from .index_plan import A2AIndexPlan, check_ranks
+from .ordered_add import add_rows
 from .two_hop_plan import Meta, NodeTopology, TwoHopPlan, default_ranks_per_node, outgoing_meta, two_hop_cast_plan
 from .waiting import DEFAULT_TIMEOUT_S, wait_works
 
@@ -157,11 +158,12 @@ class HierarchicalCollectives:
                      dst_index, src_indices, op: str = "sum", input_lse: torch.Tensor | None = None,
                      output_lse: torch.Tensor | None = None, async_op: bool = False,
                      plan_key: Hashable | None = None, plan: TwoHopPlan | None = None,
-                     timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                     timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False):
         """As :func:`magi_comm.group_reduce`: partials are pre-reduced on their node's proxy, so
         each reduced row crosses the network once. Sums run in another order than the flat
         reduce (equal up to rounding); ``op="lse"`` merges with the same rule. ``plan``: the
-        :meth:`cast_plan` of the transposed arguments, built beforehand."""
+        :meth:`cast_plan` of the transposed arguments, built beforehand. ``ordered``: sums in a
+        fixed order (:func:`magi_comm.add_rows`), bitwise reproducible."""
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         if op == "lse" and (input_lse is None or output_lse is None):
@@ -176,24 +178,33 @@ class HierarchicalCollectives:
         tensors = [input] if op == "sum" else [input, input_lse]
         bufs, works = self._hop(tensors, plan.intra.transposed(), inter=False)
 
-        def reduce_into(out, out_lse, rows, parts):
+        def reduce_into(out, out_lse, rows_host, parts):
+            rows = on_device(rows_host, out.device)
             if op == "sum":
-                out.index_add_(0, rows, parts[0].to(out.dtype))
+                add_rows(out, rows, parts[0], ordered=ordered, rows_host=rows_host)
             else:
                 lse_scatter_merge(out, out_lse, rows, parts[0], parts[1])
 
         def finish():
             wait_works(works, self.intra, timeout_s, "GroupReduce (intra-node hop)")
-            rows = on_device(plan.intra.send_rows, output.device)  # positions in cat(output, proxy buffer)
-            own = rows < n_out
-            reduce_into(output, output_lse, rows[own], [b[own] for b in bufs])
+            # positions in cat(output, proxy buffer), split once per plan into own rows and proxy rows
+            own, own_rows, proxy_rows = per_tensor(plan.intra.send_rows, f"own rows {n_out}",
+                                                   lambda: _split_own(plan.intra.send_rows, n_out))
+            own_d = on_device(own, output.device)
+            reduce_into(output, output_lse, own_rows, [b[own_d] for b in bufs])
             tmp = output.new_zeros((n1, *output.shape[1:]))
             tmp_lse = output_lse.new_full((n1, *output_lse.shape[1:]), float("-inf")) if op == "lse" else None
-            reduce_into(tmp, tmp_lse, rows[~own] - n_out, [b[~own] for b in bufs])
+            reduce_into(tmp, tmp_lse, proxy_rows, [b[~own_d] for b in bufs])
             back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], plan.inter.transposed(), inter=True)
             wait_works(works2, self.inter, timeout_s, "GroupReduce (inter-node hop)")
-            reduce_into(output, output_lse, on_device(plan.inter.send_rows, output.device), back)
+            reduce_into(output, output_lse, plan.inter.send_rows, back)
             return output
 
         pending = PendingCollective([], finish)
         return pending if async_op else pending.wait()
+
+
+def _split_own(rows: torch.Tensor, n_out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask of the rows below ``n_out``, those rows, the others minus ``n_out``) of host ``rows``."""
+    own = rows < n_out
+    return own, rows[own], rows[~own] - n_out
