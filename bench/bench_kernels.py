@@ -7,9 +7,9 @@ Usage: python bench/bench_kernels.py --seqlens 8192 16384 32768 --out results.js
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import sys
 import time
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from magi_attn.masks import make_mask
 from magi_solver import slice_ranges
-from magi_kernels import flex_flash_attn_func
+from magi_kernels import KernelConfig, default_kernel_config, flex_flash_attn_func
 
 MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal"]
 
@@ -42,23 +42,6 @@ def bench(fn, reps_ms=200):
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
-
-
-def with_env(fn, name: str, value: str):
-    """``fn`` run with the environment variable ``name`` set to ``value`` (the backend reads its
-    switches per call), restored after."""
-    def run_with():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-
-    return run_with
 
 
 def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windows: dict | None = None,
@@ -126,15 +109,20 @@ def run(args, on_row=lambda rows: None):
             g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
             res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S, "rounds": args.rounds}
 
-            def ours():
-                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False)[0]
+            def ours(config: KernelConfig | None = None):
+                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False,
+                                            kernel_config=config)[0]
 
             o = ours()
             fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
-            if args.triton_ab and tb._use_gluon(q, k, v):  # A/B: the Triton forward in the same process
-                fns["magi_triton_fwd"] = with_env(ours, "MAGI_GLUON_FWD", "0")
-            if args.triton_ab and tb._use_gluon_bwd(q, k, v, g):  # A/B: the Triton backward in the same process
-                fns["magi_triton_bwd"] = with_env(fns["magi_bwd"], "MAGI_GLUON_BWD", "0")
+            # A/B: the Triton kernels in the same process, where the Gluon ones run by default
+            config = default_kernel_config()
+            triton_only = dataclasses.replace(config, gluon_fwd=False, gluon_bwd=False)
+            if args.triton_ab and tb._use_gluon(q, k, v, config):
+                fns["magi_triton_fwd"] = lambda: ours(triton_only)
+            if args.triton_ab and tb._use_gluon_bwd(q, k, v, g, config):
+                o_t = ours(triton_only)
+                fns["magi_triton_bwd"] = lambda: torch.autograd.grad(o_t, (q, k, v), g, retain_graph=True)
             for fn in fns.values():
                 fn()
             res.update(metadata_ms(q, k, v, qr, kr, tm))
@@ -207,7 +195,7 @@ def metadata_ms(q, k, v, qr, kr, tm) -> dict[str, float]:
     kernels, a forward's time more if it does (a syncing copy)."""
     from magi_kernels import triton_backend as tb
 
-    rows, block = q.shape[0], tb._fwd_plan(q, k, v)[2][0]
+    rows, block = q.shape[0], tb._fwd_plan(q, k, v, default_kernel_config())[2][0]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(100):  # the forward above filled the caches

@@ -17,6 +17,7 @@ import torch
 
 from magi_attn.masks import make_mask
 from magi_solver import slice_ranges
+from magi_kernels import KernelConfig
 from magi_kernels import triton_backend as tb
 
 # the variables each pass reads, with the values swept (a variable of MAGI_SWEEP found in neither
@@ -137,13 +138,15 @@ def main() -> int:
             profile(mask, lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0),
                     lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0))
         for n_run, (label, cfg, settings) in enumerate(runs):
-            os.environ.update(settings)
+            # the variables' config (read here, per setting: the kernels never read the environment)
+            config = KernelConfig.from_env({**os.environ, **settings})
             which = set_pass(settings)
             if which == "fwd":
-                fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, False, config)  # noqa: E731
                 mult = 1.0
             else:
-                fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0,  # noqa: E731
+                                             config)
                 mult = 2.5
             row = {"mask": mask, "seqlen": S, "var": label, "cfg": cfg, "pass": which}
             try:
@@ -157,8 +160,6 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
                 row["error"] = repr(e)[:160]
             print(json.dumps(row), flush=True)
-            for var in settings:
-                os.environ.pop(var)
     return 0
 
 

@@ -241,25 +241,20 @@ def test_triton_tiles_merge_slices_of_one_phase():
     assert len(tb._layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
 
 
-def test_triton_dq_mode_selection(monkeypatch):
-    """dQ mode: split off the GPU and under torch's deterministic mode; a bad override names
-    the variable and the choices."""
+def test_triton_dq_mode_selection():
+    """dQ mode: split off the GPU and under torch's deterministic mode; the config's choice
+    otherwise."""
+    from magi_kernels import KernelConfig
     from magi_kernels import triton_backend as tb
 
     x = torch.zeros(1)
-    monkeypatch.delenv("MAGI_TRITON_DQ", raising=False)
-    assert tb._dq_mode(x) == "split"
-    monkeypatch.setenv("MAGI_TRITON_DQ", "atomic")
-    assert tb._dq_mode(x) == "atomic"
-    monkeypatch.setenv("MAGI_TRITON_DQ", "fast")
-    with pytest.raises(ValueError, match="MAGI_TRITON_DQ must be one of"):
-        tb._dq_mode(x)
+    assert tb._dq_mode(x, KernelConfig()) == "split"
+    assert tb._dq_mode(x, KernelConfig(dq_mode="atomic")) == "atomic"
 
 
-def test_triton_head_dims_and_tile_overrides(monkeypatch):
+def test_triton_head_dims():
     """Head dims the Triton backend runs (compiled ones as they are, other multiples of 8 up to
-    256 zero-padded to the next one, the rest refused), and a bad tile override names the
-    variable and its fields."""
+    256 zero-padded to the next one, the rest refused)."""
     from magi_kernels import triton_backend as tb
 
     assert [tb.kernel_head_dim(d) for d in (8, 40, 64, 80, 96, 128, 160, 192, 256)] == [
@@ -268,21 +263,6 @@ def test_triton_head_dims_and_tile_overrides(monkeypatch):
     q = torch.randn(5, 2, 40)
     assert all(p.shape[-1] == 64 and torch.equal(p[..., :40], q) and not p[..., 40:].any()
                for p in tb._pad_head_dim(q, q))
-    monkeypatch.setenv("MAGI_TRITON_BWD_CFG", "64,128,eight,3")
-    with pytest.raises(ValueError, match="MAGI_TRITON_BWD_CFG must be 'BM,BN,num_warps,num_stages'"):
-        tb._bwd_config(128)
-
-
-@pytest.mark.parametrize("var", ["MAGI_TRITON_TMA", "MAGI_GLUON_FWD"])
-def test_forward_switches_reject_bad_values(var, monkeypatch):
-    """A mistyped three-way kernel switch (unset: the backend decides) is an error naming it,
-    not a silent fall-back to one of its values."""
-    from magi_kernels import triton_backend as tb
-
-    monkeypatch.setenv(var, "yes")
-    q = torch.randn(8, 2, 64)
-    with pytest.raises(ValueError, match=f"{var} must be one of 'auto', '0', '1'"):
-        tb._use_tma(q) if var == "MAGI_TRITON_TMA" else tb._use_gluon(q, q, q)
 
 
 OVERLAPPING = ([(0, 8), (4, 8)], [(0, 8), (2, 4)], [1, 0])  # rows 4..7 see keys 2, 3 twice
@@ -446,11 +426,11 @@ def test_sink_and_value_head_dim_errors():
 def test_removed_kernel_switches_warn_and_are_read_nowhere():
     """The switches of removed kernel variants (issue 41): setting one gives one warning that
     names it (it changes nothing any more), none set gives none, and no source file of the
-    packages reads it (only ``env_config`` lists it)."""
+    packages reads it (only ``kernel_config`` lists it)."""
     import pathlib
     import warnings
 
-    from magi_kernels.env_config import REMOVED_SWITCHES, warn_removed_switches
+    from magi_kernels.kernel_config import REMOVED_SWITCHES, warn_removed_switches
 
     with pytest.warns(UserWarning, match="MAGI_GLUON_FWD_PERSIST .*persistent.*MAGI_TRITON_BWD_FUSE") as caught:
         found = warn_removed_switches({"MAGI_GLUON_FWD_PERSIST": "0", "MAGI_TRITON_BWD_FUSE": "0", "MAGI_LOG_LEVEL": "x",
@@ -460,6 +440,6 @@ def test_removed_kernel_switches_warn_and_are_read_nowhere():
         warnings.simplefilter("error")
         assert warn_removed_switches({"MAGI_GLUON_BWD_PIECES": "0", "MAGI_GLUON_FWD_ORDER": ""}) == []
     root = pathlib.Path(__file__).parents[1] / "packages"
-    readers = {(path.name, var) for path in root.glob("*/src/**/*.py") if path.name != "env_config.py"
+    readers = {(path.name, var) for path in root.glob("*/src/**/*.py") if path.name != "kernel_config.py"
                for var in REMOVED_SWITCHES if f'"{var}"' in path.read_text()}
     assert not readers, f"removed switches still read: {sorted(readers)}"

@@ -33,7 +33,7 @@ from magi_attn import (
     magi_attn_varlen_key,
     undispatch,
 )
-from magi_kernels.host_cache import per_tensor
+from magi_kernels import per_tensor
 from magi_solver import check_positive_int, varlen_slices
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ Another mask over the same dispatched tokens (e.g. a sliding-window layer)::
 import logging
 import os
 
-from magi_kernels import flex_flash_attn_func
+from magi_kernels import KernelConfig, flex_flash_attn_func
 from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig, compute_pad_size
 
 from .api import (
@@ -48,7 +48,7 @@ if _level:
 
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "DispatchConfig", "DistAttnConfig", "DistAttnKey",
-    "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
+    "KernelConfig", "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
     "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_flex_key_for_new_mask",
     "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch", "undispatch",

@@ -13,8 +13,15 @@ import torch.distributed as dist
 
 from magi_comm import all_gather_rows, clear_shared_collectives
 from magi_comm.device_index import on_device
-from magi_kernels import apply_sink, check_sink, common_head_dim, pad_head_dim, resolve_backend
-from magi_kernels.validation import check_qkv, check_scale_softcap
+from magi_kernels import (
+    apply_sink,
+    check_qkv,
+    check_scale_softcap,
+    check_sink,
+    common_head_dim,
+    pad_head_dim,
+    resolve_backend,
+)
 from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
 from magi_solver.ranges import AttnRange
 

@@ -145,12 +145,11 @@ def cmd_env(args: argparse.Namespace) -> int:
     from magi_comm import native
 
     from . import __version__
-    from magi_kernels.interface import _triton_module
 
     info = {
         "magi_attn": __version__, "magi_solver": magi_solver.__version__, "magi_kernels": magi_kernels.__version__,
         "magi_comm": magi_comm.__version__, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-        "triton_backend": _triton_module() is not None,
+        "triton_backend": magi_kernels.triton_available(),
         # what magi-comm's native extension was built with, and whether it runs on this GPU
         "comm_native": {"available": native.AVAILABLE, "with_cuda": native.WITH_CUDA,
                         "cuda_archs": list(native.CUDA_ARCHS), "reason": native.REASON},

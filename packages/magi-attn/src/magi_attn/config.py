@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from magi_comm import DEFAULT_TIMEOUT_S
-from magi_kernels import BACKENDS
+from magi_kernels import BACKENDS, KernelConfig, default_kernel_config
 from magi_solver import DispatchConfig, OverlapConfig
 
-__all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "OverlapConfig"]
+__all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "KernelConfig", "OverlapConfig"]
 
 COMM_BACKENDS = ("a2a", "ipc", "hier")
 
@@ -21,6 +21,10 @@ class DistAttnConfig:
         dispatch: chunking and load balancing (:class:`magi_solver.DispatchConfig`).
         overlap: multi-stage overlap of GroupCast with attention (:class:`magi_solver.OverlapConfig`).
         kernel_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``magi_kernels``).
+        kernel: the GPU kernels' tiles and pipeline choices (:class:`magi_kernels.KernelConfig`);
+            defaults to ``magi_kernels.default_kernel_config()`` (the measured defaults, or the
+            ``MAGI_TRITON_*`` / ``MAGI_GLUON_*`` developer overrides, read once). Part of the
+            plan the ranks check for agreement.
         comm_backend: ``"a2a"`` (torch.distributed all_to_all_single: gloo or NCCL, any
             topology), ``"ipc"`` (CUDA IPC peer writes inside one host; needs the native
             extension built with CUDA) or ``"hier"`` (node-aware two hops: each KV row crosses
@@ -39,6 +43,7 @@ class DistAttnConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kernel_backend: str = "auto"
+    kernel: KernelConfig = field(default_factory=default_kernel_config)
     comm_backend: str = "a2a"
     ranks_per_node: int | None = None
     comm_timeout_s: float | None = DEFAULT_TIMEOUT_S
@@ -50,6 +55,8 @@ class DistAttnConfig:
             raise TypeError(f"DistAttnConfig.overlap must be an OverlapConfig, got {type(self.overlap).__name__}")
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"DistAttnConfig.kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")
+        if not isinstance(self.kernel, KernelConfig):
+            raise TypeError(f"DistAttnConfig.kernel must be a magi_kernels.KernelConfig, got {type(self.kernel).__name__}")
         if self.comm_backend not in COMM_BACKENDS:
             raise ValueError(f"DistAttnConfig.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):

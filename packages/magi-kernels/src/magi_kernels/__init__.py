@@ -1,10 +1,24 @@
 """magi-kernels: Flex-Flash-Attention over (q_range, k_range, mask_type) slices."""
 
 from .head_features import apply_sink, check_sink, common_head_dim, pad_head_dim
-from .interface import BACKENDS, ffa_bwd, ffa_fwd, flex_flash_attn_func, resolve_backend, run_backward, run_forward
+from .host_cache import per_tensor
+from .interface import (
+    BACKENDS,
+    ffa_bwd,
+    ffa_fwd,
+    flex_flash_attn_func,
+    resolve_backend,
+    run_backward,
+    run_forward,
+    triton_available,
+)
+from .kernel_config import GluonBwdTiles, GluonFwdTiles, KernelConfig, TritonTiles, default_kernel_config
 from .lse import merge_out_lse
+from .validation import check_qkv, check_scale_softcap
 
 __version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
-__all__ = ["BACKENDS", "apply_sink", "check_sink", "common_head_dim", "pad_head_dim", "ffa_bwd", "ffa_fwd", "flex_flash_attn_func", "merge_out_lse", "resolve_backend", "run_backward",
-           "run_forward"]
+__all__ = ["BACKENDS", "GluonBwdTiles", "GluonFwdTiles", "KernelConfig", "TritonTiles", "apply_sink", "check_qkv",
+           "check_scale_softcap", "check_sink", "common_head_dim", "default_kernel_config", "ffa_bwd", "ffa_fwd",
+           "flex_flash_attn_func", "merge_out_lse", "pad_head_dim", "per_tensor", "resolve_backend", "run_backward",
+           "run_forward", "triton_available"]

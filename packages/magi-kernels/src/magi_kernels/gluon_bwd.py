@@ -1,19 +1,19 @@
 """Warp-specialised Hopper backward (Gluon): dK, dV and dQ in one pass, 5 matmuls per block.
 
 One program per (key tile of BN=128 keys, KV head), on the Triton backend's key-tile tables
-(members, layers), launched in the order ``program_order`` picks (``MAGI_GLUON_BWD_ORDER``):
+(members, layers), launched in the order ``program_order`` picks (``KernelConfig.bwd_order``):
 mostly the key tiles of one KV head after another, so the resident programs share one query
 head's Q/dO/dQ in L2, with the last heads tile-major where that shortens the tail. It
 loops over the tile's member slices, the GQA group's query heads and the query blocks (BM=64
 rows) that see its keys, starting at the tile's diagonal block and wrapping
-(``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
+(``KernelConfig.bwd_rotate``), so that key tiles which see the same rows do not all reduce into
 the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
-the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
+the GQA group's query heads (``program_order.split_tail``, ``KernelConfig.bwd_split_tail``), so that a
 part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Where
 the key tiles of causal slices differ in length (causal, packed causal documents), every
 program runs as pieces over a chunk of the GQA group instead, each KV head's tiles over one
 chunk before the next, so that the resident pieces stay on one chunk's rows in L2; their dK/dV
-go out as TMA reduce-adds (``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.06-1.38
+go out as TMA reduce-adds (``KernelConfig.bwd_piece_heads``, ``bwd_piece_add``; x1.06-1.38
 on causal, v19). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
@@ -39,13 +39,12 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import program_order
-from .env_config import env_choice, env_config
 from .host_cache import upload
+from .kernel_config import TUNED_GLUON_BWD, KernelConfig
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
 if AVAILABLE:
@@ -73,75 +72,11 @@ if AVAILABLE:
         warpgroup_mma_wait,
     )
 
-# (BM, BN, STAGES) per head dim: BM query rows per step, BN keys per program (two warpgroups of
-# BN/2), STAGES-deep Q/dO ring (3: +3-5 % over 2 at 8k-32k, v13 notes; 231424 of the 232448
-# bytes of shared memory)
-CONFIGS = {128: (64, 128, 3)}
+# (BM, BN, STAGES) per head dim (``kernel_config.GluonBwdTiles``): BM query rows per step, BN keys
+# per program (two warpgroups of BN/2), STAGES-deep Q/dO ring; the head dims this kernel exists for
+CONFIGS = TUNED_GLUON_BWD
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
 __all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "key_tile_size", "launch", "supported"]
-
-
-def _config(d: int) -> tuple[int, int, int]:
-    """``MAGI_GLUON_BWD_CFG=BM,BN,STAGES`` overrides the tuned config (tuning runs; a config
-    that needs more shared memory than the GPU has fails at launch with Triton's
-    "out of resource: shared memory")."""
-    return env_config("MAGI_GLUON_BWD_CFG", CONFIGS[d], "BM,BN,STAGES")  # type: ignore[return-value]
-
-
-def _rotate() -> bool:
-    """``MAGI_GLUON_BWD_ROTATE=0/1`` (default 1): whether each key tile starts at its diagonal
-    query block (see ``epilogue_jit.walk_start``; +4.5 % at 16k full, within 1 %
-    elsewhere: docs/notes/kernel_measurements.md, v9)."""
-    return env_choice("MAGI_GLUON_BWD_ROTATE", "1", ("0", "1")) == "1"
-
-
-def _split() -> bool:
-    """``MAGI_GLUON_BWD_SPLIT=1/0`` (default 1): whether the launch's last programs may run as
-    pieces of fewer GQA query heads, their dK/dV added with fp32 atomics
-    (``program_order.split_tail``: the part-empty last wave of equal programs)."""
-    return env_choice("MAGI_GLUON_BWD_SPLIT", "1", ("0", "1")) == "1"
-
-
-def _pieces() -> int | str:
-    """``MAGI_GLUON_BWD_PIECES=auto/0/s`` (default auto): 0 runs whole programs (but for
-    ``_split``'s tail); s runs every program as pieces of s query heads, each KV head's tiles
-    over one chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV added
-    into zeroed fp32 buffers). The launch order's band is then counted in (KV head, chunk)
-    pieces: ``MAGI_GLUON_BWD_ORDER=2`` runs the last two chunks tile-major, ``auto`` chooses on
-    the pieces' costs. ``auto``: pieces where the key tiles of causal slices differ in length
-    (causal, packed causal documents), whole programs elsewhere
-    (``program_order.auto_piece_heads``)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "auto")
-    if raw == "auto":
-        return raw
-    if not raw.isdigit():
-        raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 'auto', 0 or a divisor of the GQA group size, got {raw!r}")
-    return int(raw)
-
-
-def _piece_add() -> str:
-    """``MAGI_GLUON_BWD_PIECE_ADD=auto/atomic/tma`` (default auto): how a piece adds its dK/dV,
-    per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
-    dQ buffer (needs BN = 2 BM). ``auto``: TMA where every program runs as pieces and the tiles
-    allow it (v19: pieces of 3 heads with TMA adds were the best set on causal and packed
-    causal documents), atomics for a split tail's few pieces."""
-    return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "auto", ("auto", "atomic", "tma"))
-
-
-def _order_mode() -> str | int:
-    """``MAGI_GLUON_BWD_ORDER=auto/head/tile/<band>`` (default auto): the launch order of the
-    (key tile, KV head) programs (``program_order``). ``head``: the key tiles of one KV head,
-    then the next (resident programs share one query head's Q/dO/dQ in L2: +11 % at 16k full,
-    +31 % at 32k full over ``tile``, docs/notes/kernel_measurements.md v10); ``tile``: every
-    head's tile before the next tile, longest first (shortest tail); a number: the last that
-    many heads tile-major; ``auto``: the smallest band of 1, 2, 4, ... heads whose simulated
-    finish is within 5 % of tile-major's (``program_order.choose_band``)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_ORDER", "auto")
-    if raw in ("auto", "head", "tile"):
-        return raw
-    if raw.isdigit() and int(raw) >= 1:
-        return int(raw)
-    raise ValueError(f"MAGI_GLUON_BWD_ORDER must be 'auto', 'head', 'tile' or a positive band size, got {raw!r}")
 
 
 def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) -> int:
@@ -185,9 +120,9 @@ def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | in
     return upload(torch.tensor(table, dtype=torch.int32), device), partial, piece_heads
 
 
-def key_tile_size(d: int) -> int:
+def key_tile_size(d: int, config: KernelConfig) -> int:
     """Keys per program (the block of the key-tile tables the launch reads)."""
-    return _config(d)[1]
+    return config.gluon_bwd_for(d).block_n
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -455,29 +390,29 @@ if AVAILABLE:
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, shared_layout(*box, dq.dtype))
 
     def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
-               softcap, accum, staircase_share):
+               softcap, accum, staircase_share, config: KernelConfig):
         """One launch over the key tiles (key-tile tables of block ``key_tile_size(d)``; ``work``:
         the host copy of their work, which sets the launch order) x KV heads. ``dq`` is an fp32
         accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to).
         ``staircase_share``: the causal / inv_causal share of the mask's area (whether the
-        launch runs as pieces, ``program_order.auto_piece_heads``)."""
+        launch runs as pieces, ``program_order.auto_piece_heads``). ``config``: tiles, walk and order."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages = _config(d)
-        piece_heads = _pieces()
+        BM, BN, stages = config.gluon_bwd_for(d)
+        piece_heads = "auto" if config.bwd_piece_heads is None else config.bwd_piece_heads
         if piece_heads != "auto" and piece_heads and (hq // hk) % piece_heads:
-            raise ValueError(f"MAGI_GLUON_BWD_PIECES={piece_heads} must divide the GQA group of {hq // hk} query heads "
-                             "per KV head (or be 0 or 'auto')")
-        order, split, all_pieces = _order_table(work, hk, sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
-                                                piece_heads, q.device, round(staircase_share, 3))
+            raise ValueError(f"KernelConfig.bwd_piece_heads={piece_heads} must divide the GQA group of {hq // hk} "
+                             "query heads per KV head (or be 0 or None for auto)")
+        order, split, all_pieces = _order_table(work, hk, sm_count(q.device), config.bwd_order, BM, hq // hk,
+                                                config.bwd_split_tail, piece_heads, q.device, round(staircase_share, 3))
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
-        add = _piece_add()
+        add = config.bwd_piece_add
         piece_tma = add == "tma" or (add == "auto" and bool(all_pieces) and BN // 2 == BM)
         if piece_tma and BN // 2 != BM:
-            raise ValueError(f"MAGI_GLUON_BWD_PIECE_ADD=tma stages a warpgroup's {BN // 2} key rows in the {BM}-row "
-                             f"dQ buffer: it needs BN = 2 BM (MAGI_GLUON_BWD_CFG), got BM={BM}, BN={BN}")
+            raise ValueError(f"KernelConfig.bwd_piece_add='tma' stages a warpgroup's {BN // 2} key rows in the {BM}-row "
+                             f"dQ buffer: it needs BN = 2 BM (gluon_bwd_tiles), got BM={BM}, BN={BN}")
         dq_d = dq_descriptor(dq, BM)
         # (without PIECE_TMA the dK/dV descriptors are not read: dQ's stands in, no host work)
         dk_d, dv_d = (dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2)) if piece_tma else (dq_d, dq_d)
@@ -485,5 +420,5 @@ if AVAILABLE:
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dk, dv,
             lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
+            ROTATE=config.bwd_rotate, PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
         )

@@ -39,8 +39,8 @@ import functools
 import torch
 
 from . import program_order
-from .env_config import env_config
 from .host_cache import upload
+from .kernel_config import TUNED_GLUON_FWD, KernelConfig
 from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
 
 if AVAILABLE:
@@ -58,19 +58,12 @@ if AVAILABLE:
         warpgroup_mma_wait,
     )
 
-# (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
-# in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
-# d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs 380 TFLOP/s) but its
-# correctness run did not finish on the device: not offered until it does (notes, v8)
-CONFIGS = {128: (128, 128, 3, 2, 1)}  # sweep: docs/notes/kernel_measurements.md (v8)
+# (BM, BN, STAGES, PARTS, PING) per head dim (``kernel_config.GluonFwdTiles``); the head dims
+# this kernel exists for. d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs
+# 380 TFLOP/s) but its correctness run did not finish on the device: not offered until it does
+CONFIGS = TUNED_GLUON_FWD
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default forward (measured faster than Triton's)
 __all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "launch", "supported", "tile_rows"]
-
-
-def _config(d: int) -> tuple[int, int, int, int, int]:
-    """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS,PING`` overrides the tuned config (tuning runs)."""
-    return env_config("MAGI_GLUON_FWD_CFG", CONFIGS[d], "BM,BN,STAGES,PARTS,PING",
-                      lambda v: v[3] in (1, 2) and v[4] in (0, 1), " with PARTS 1 or 2 and PING 0 or 1")  # type: ignore[return-value]
 
 
 # an item's fixed cost in key blocks (its output and the ring's refill), for the queues
@@ -98,9 +91,9 @@ def _queue_table(work: tuple[int, ...], hq: int, group: int, block_keys: int, n_
     return upload(torch.tensor(table, dtype=torch.int32), device), len(queues)
 
 
-def tile_rows(d: int) -> int:
+def tile_rows(d: int, config: KernelConfig) -> int:
     """Query rows per tile (the block of the tile tables the launch reads)."""
-    return _config(d)[0]
+    return config.gluon_fwd_for(d).block_m
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -393,12 +386,13 @@ if AVAILABLE:
                              cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-    def launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, accum):
-        """One launch over the query tiles x heads (tile tables of block ``CONFIGS[d][0]``; ``work``:
-        the host copy of each tile's visible keys, which sets the programs' queues)."""
+    def launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, accum,
+               config: KernelConfig):
+        """One launch over the query tiles x heads (tile tables of block ``tile_rows(d, config)``;
+        ``work``: the host copy of each tile's visible keys, which sets the programs' queues)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages, parts, ping = _config(d)
+        BM, BN, stages, parts, ping = config.gluon_fwd_for(d)
         queue, programs = _queue_table(work, hq, hq // hk, BN, sm_count(q.device), q.device)
         _fwd_ws_kernel[(programs,)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, queue, hq,

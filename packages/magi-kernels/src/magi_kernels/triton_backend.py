@@ -35,10 +35,8 @@ import torch
 from magi_solver.mask import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
-from .env_config import env_choice, env_config, warn_removed_switches
 from .host_cache import per_tensor, upload
-
-warn_removed_switches()  # once per process: a removed variant's switch must not look as if it took effect
+from .kernel_config import KernelConfig, resolve_kernel_config
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
@@ -517,31 +515,6 @@ if AVAILABLE:
                         qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
 
 
-def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """Tile config override ``BM,BN,num_warps,num_stages`` from the environment (for tuning runs)."""
-    return env_config(name, default, "BM,BN,num_warps,num_stages")  # type: ignore[return-value]
-
-
-# (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md
-_FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
-_FWD_TMA_DEFAULTS = {128: (128, 128, 8, 3)}
-_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
-_DQ_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
-
-
-def _fwd_config(d: int, tma: bool = False) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_FWD_CFG", (_FWD_TMA_DEFAULTS if tma else _FWD_DEFAULTS).get(d, _FWD_DEFAULTS[d]))
-
-
-def _bwd_config(d: int) -> tuple[int, int, int, int]:
-    """dK/dV kernel: BN keys per program, BM query rows per step."""
-    return _env_config("MAGI_TRITON_BWD_CFG", _DKDV_DEFAULTS[d])
-
-
-def _dq_config(d: int) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_DQ_CFG", _DQ_DEFAULTS[d])
-
-
 def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     """Slice table as a hashable tuple, memoised per range tensor (and its in-place version), so
     repeated calls with the same metadata cost a dictionary lookup."""
@@ -569,13 +542,12 @@ def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, flo
     return softmax_scale * LOG2E, 1.0, 1.0
 
 
-def _use_tma(x: torch.Tensor) -> bool:
+def _use_tma(x: torch.Tensor, config: KernelConfig) -> bool:
     """Whether the forward loads full K/V blocks through TMA descriptors (Hopper and newer;
     Triton's interpreter emulates them): by default for the head dims in TMA_FWD_HEAD_DIMS.
-    ``MAGI_TRITON_TMA=0/1`` overrides; partial blocks always use masked pointer loads."""
-    env = env_choice("MAGI_TRITON_TMA", "auto", AUTO_SWITCH)
-    if env != "auto":
-        return env == "1"
+    ``config.triton_tma`` overrides; partial blocks always use masked pointer loads."""
+    if config.triton_tma is not None:
+        return config.triton_tma
     if x.device.type != "cuda":
         return False
     return x.shape[-1] in TMA_FWD_HEAD_DIMS and torch.cuda.get_device_capability(x.device)[0] >= 9
@@ -593,16 +565,10 @@ def _descriptor(x: torch.Tensor, rows: int, use: bool):
 
 
 DQ_MODES = {"split": 0, "atomic": 1, "tma": 2}
-AUTO_SWITCH = ("auto", "0", "1")  # a kernel switch whose unset value leaves the choice to the backend
 DEFAULT_DQ_MODE = "split"  # on sm90+; see _dq_mode
 
 
-def _dq_override() -> str:
-    """``MAGI_TRITON_DQ``: one of ``DQ_MODES``, or "auto" when unset (the backend chooses)."""
-    return env_choice("MAGI_TRITON_DQ", "auto", ("auto", *DQ_MODES))
-
-
-def _dq_mode(x: torch.Tensor) -> str:
+def _dq_mode(x: torch.Tensor, config: KernelConfig) -> str:
     """How the backward computes dQ:
 
     * ``split``: dQ programs of their own (recompute scores and dP; deterministic);
@@ -610,13 +576,13 @@ def _dq_mode(x: torch.Tensor) -> str:
     * ``tma``: the same through TMA bulk reduce-adds (sm90+; 5 matmuls per block instead of 7).
 
     The accumulating modes are not bitwise deterministic (the order of the fp32 adds varies), so
-    ``torch.use_deterministic_algorithms(True)`` selects ``split``. ``MAGI_TRITON_DQ`` overrides.
+    ``torch.use_deterministic_algorithms(True)`` selects ``split``. ``config.dq_mode`` overrides.
     """
-    env = _dq_override()
-    if env != "auto":
-        if env == "tma" and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
-            raise ValueError("MAGI_TRITON_DQ=tma needs TMA (sm90+); use 'atomic' or 'split' on this GPU")
-        return env
+    mode = config.dq_mode
+    if mode != "auto":
+        if mode == "tma" and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+            raise ValueError("KernelConfig.dq_mode='tma' needs TMA (sm90+); use 'atomic' or 'split' on this GPU")
+        return mode
     if torch.are_deterministic_algorithms_enabled() or x.device.type != "cuda":
         return "split"
     return DEFAULT_DQ_MODE if torch.cuda.get_device_capability(x.device)[0] >= 9 else "split"
@@ -627,35 +593,40 @@ def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device) if covered else torch.full(shape, fill, dtype=dtype, device=device)
 
 
-def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: KernelConfig) -> bool:
     """Whether the forward runs the warp-specialised Gluon kernel (``gluon_fwd``; sm90, a head
     dim it has a config for, non-empty K/V): by default for ``gluon_fwd.DEFAULT_HEAD_DIMS``.
-    ``MAGI_GLUON_FWD=0`` turns it off, ``=1`` turns it on for every head dim it supports."""
-    env = env_choice("MAGI_GLUON_FWD", "auto", AUTO_SWITCH)
-    if env == "0" or k.shape[0] == 0 or q.shape[0] == 0 or not gluon_fwd.supported(q, k, v):
+    ``config.gluon_fwd=False`` turns it off, ``True`` on for every head dim it supports."""
+    if config.gluon_fwd is False or k.shape[0] == 0 or q.shape[0] == 0 or not gluon_fwd.supported(q, k, v):
         return False
-    return env == "1" or q.shape[-1] in gluon_fwd.DEFAULT_HEAD_DIMS
+    return config.gluon_fwd is True or q.shape[-1] in gluon_fwd.DEFAULT_HEAD_DIMS
 
 
-def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[bool, bool, tuple[int, int, int, int]]:
+def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              config: KernelConfig) -> tuple[bool, bool, tuple[int, int, int, int]]:
     """(whether the forward runs the Gluon kernel, whether it loads K/V through TMA, its
     (BM, BN, warps, stages); BM is the query-tile size its tile tables are built for)."""
-    gluon = _use_gluon(q, k, v)
-    tma = _use_tma(q) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
-    return gluon, tma, ((gluon_fwd.tile_rows(q.shape[-1]), 0, 0, 0) if gluon else _fwd_config(q.shape[-1], tma))
+    gluon = _use_gluon(q, k, v, config)
+    tma = _use_tma(q, config) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
+    d = q.shape[-1]
+    return gluon, tma, ((config.gluon_fwd_for(d).block_m, 0, 0, 0) if gluon else config.triton_fwd_for(d, tma))
 
 
-def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
+def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False,
+                config: KernelConfig | None = None):
+    """The forward: (out, lse). ``config``: tiles and pipeline choices (None: the process
+    default, ``default_kernel_config``)."""
+    config = resolve_kernel_config(config)
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:  # zero-padded head dim (kernel_head_dim); scale stays the caller's
         out, lse = ffa_forward(*_pad_head_dim(q, k, v), q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                               acc_out)
+                               acc_out, config)
         return out[..., :d].contiguous(), lse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tq, hq, d = q.shape
     hk = k.shape[1]
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
-    gluon, tma, (BM, BN, warps, stages) = _fwd_plan(q, k, v)
+    gluon, tma, (BM, BN, warps, stages) = _fwd_plan(q, k, v, config)
     meta, layers, covered = _tiles(slices, 0, BM, str(q.device), tq)
     # one layer writes every row once: the kernel can write q's dtype directly; several layers
     # merge into an fp32 accumulator
@@ -666,7 +637,8 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     kd, vd = (None, None) if gluon else (_descriptor(k, BN, tma), _descriptor(v, BN, tma))
     for li, (tiles, members, n, work) in enumerate(layers):
         if gluon:
-            gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, li > 0)
+            gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, li > 0,
+                             config)
             continue
         _fwd_kernel[(n * hq,)](
             q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
@@ -676,25 +648,27 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
-def _use_gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+def _use_gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, config: KernelConfig) -> bool:
     """Whether the backward runs the warp-specialised Gluon kernel (``gluon_bwd``: dK, dV and dQ
     in one pass; sm90, a head dim it has a config for, non-empty inputs): by default for
     ``gluon_bwd.DEFAULT_HEAD_DIMS``. Its dQ is a sum of fp32 reduce-adds in no fixed order, so
-    ``torch.use_deterministic_algorithms(True)`` and an explicit ``MAGI_TRITON_DQ`` select the
-    Triton backward; ``MAGI_GLUON_BWD=0`` turns it off, ``=1`` on for every supported head dim."""
-    env = env_choice("MAGI_GLUON_BWD", "auto", AUTO_SWITCH)
-    if env == "0" or torch.are_deterministic_algorithms_enabled() or _dq_override() != "auto":
+    ``torch.use_deterministic_algorithms(True)`` and an explicit ``config.dq_mode`` select the
+    Triton backward; ``config.gluon_bwd=False`` turns it off, ``True`` on for every supported head dim."""
+    if config.gluon_bwd is False or torch.are_deterministic_algorithms_enabled() or config.dq_mode != "auto":
         return False
     if k.shape[0] == 0 or q.shape[0] == 0 or do.data_ptr() % 16 or not gluon_bwd.supported(q, k, v):
         return False
-    return env == "1" or q.shape[-1] in gluon_bwd.DEFAULT_HEAD_DIMS
+    return config.gluon_bwd is True or q.shape[-1] in gluon_bwd.DEFAULT_HEAD_DIMS
 
 
-def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap):
+def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
+                 config: KernelConfig | None = None):
+    """The backward: fp32 (dq, dk, dv). ``config`` as in ``ffa_forward``."""
+    config = resolve_kernel_config(config)
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:  # as in ffa_forward: padded columns of do/out are 0, so delta is unchanged
         grads = ffa_backward(*_pad_head_dim(do, q, k, v, out), lse, dlse, q_ranges, k_ranges, attn_type_map,
-                             softmax_scale, softcap)
+                             softmax_scale, softcap, config)
         return tuple(g[..., :d].contiguous() for g in grads)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     do, out = do.contiguous().to(q.dtype), out.contiguous()
@@ -710,19 +684,19 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             D=d, BR=64, num_warps=4)
     slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
-    if _use_gluon_bwd(q, k, v, do):  # one pass: dK/dV programs that also reduce-add dQ
-        kv_meta, kv_layers, kv_cov = _tiles(slices, 2, gluon_bwd.key_tile_size(d), str(dev), tk)
+    if _use_gluon_bwd(q, k, v, do, config):  # one pass: dK/dV programs that also reduce-add dQ
+        kv_meta, kv_layers, kv_cov = _tiles(slices, 2, config.gluon_bwd_for(d).block_n, str(dev), tk)
         dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
         dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
         dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
         stairs = staircase_share(slices)
         for li, (tiles, members, n, work) in enumerate(kv_layers):
             gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, work, softmax_scale,
-                             qk_scale, cap_in, cap_out, softcap, li > 0, stairs)
+                             qk_scale, cap_in, cap_out, softcap, li > 0, stairs, config)
         return dq, dk, dv
-    BM1, BN1, warps1, stages1 = _bwd_config(d)
-    BM2, BN2, warps2, stages2 = _dq_config(d)
-    dq_mode = _dq_mode(q)
+    BM1, BN1, warps1, stages1 = config.triton_dkdv_for(d)
+    BM2, BN2, warps2, stages2 = config.triton_dq_for(d)
+    dq_mode = _dq_mode(q, config)
     kv_meta, kv_layers, kv_cov = _tiles(slices, 2, BN1, str(dev), tk)
     q_meta, q_layers, q_cov = _tiles(slices, 0, BM2, str(dev), tq) if dq_mode == "split" else (kv_meta, [], False)
     dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
