@@ -114,7 +114,7 @@ def test_env_read_once_then_never_again(fresh_default, monkeypatch):
     monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "not a mode")  # would raise if anything re-read it
     assert default_kernel_config() is first
     seen = []
-    monkeypatch.setattr(interface, "_forward_impl", lambda *a: seen.append(a[-1]) or (a[0], a[0][..., 0]))
+    monkeypatch.setattr(interface, "_forward_impl", lambda *a: seen.append(a[10]) or (a[0], a[0][..., 0]))
     q = torch.randn(4, 1, 8)
     flex_flash_attn_func(q, q, q, [(0, 4)], [(0, 4)], backend="torch")
     assert seen == [first]

@@ -169,14 +169,14 @@ class TestErrors:
 
 
 def test_gpu_backend_metadata_memo_tracks_in_place_changes():
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
     qr = torch.tensor([[0, 4], [4, 8]], dtype=torch.int32)
     kr, tm = qr.clone(), torch.tensor([1, 0], dtype=torch.int32)
-    first = tb._host_tuple(qr, kr, tm)
-    assert tb._host_tuple(qr, kr, tm) is first
+    first = tiles.host_slices(qr, kr, tm)
+    assert tiles.host_slices(qr, kr, tm) is first
     kr[1, 1] = 6  # in place: must not serve the stale table
-    assert tb._host_tuple(qr, kr, tm) == ((0, 4, 0, 4, 1), (4, 8, 4, 6, 0))
+    assert tiles.host_slices(qr, kr, tm) == ((0, 4, 0, 4, 1), (4, 8, 4, 6, 0))
 
 
 def test_host_cache_reads_a_tensor_once_per_object_and_version():
@@ -201,55 +201,56 @@ def test_triton_tile_tables_longest_first_and_row_coverage():
     """Host side of the Triton backend (runs without a GPU): tiles of a layer are ordered by
     descending work, and the 'layer 0 writes every row' flag that lets outputs skip their zero
     fill is exact (a wrong True would leave uninitialised rows)."""
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
-    meta, layers, covered = tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
+    meta, layers, covered = tiles.tile_tables(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
     table, members, n, host_work = layers[0]
     assert n == 5 and covered and members.tolist() == [0] * 5
     start, end, first, count = table.long().unbind(1)
-    work = tb.tile_work(meta, members[first], start, 0, 64)
+    work = tiles.tile_work(meta, members[first], start, 0, 64)
     assert work.tolist() == sorted(work.tolist(), reverse=True) and start.tolist()[0] == 256  # causal: last rows first
     assert list(host_work) == work.tolist() == [300, 256, 192, 128, 64]  # the host copy the launch order uses
     assert end.tolist()[0] == 300 and count.tolist() == [1] * 5
-    assert not tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
-    assert tb._tiles(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
-    assert not tb._tiles(((0, 50, 0, 100, 0), (60, 100, 0, 10, 0)), 0, 64, "cpu", 100)[2]  # gap 50..60
-    assert not tb._tiles(((0, 50, 0, 100, 0), (50, 100, 5, 5, 0)), 0, 64, "cpu", 100)[2]  # empty k range: no tile
+    assert not tiles.tile_tables(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
+    assert tiles.tile_tables(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
+    assert not tiles.tile_tables(((0, 50, 0, 100, 0), (60, 100, 0, 10, 0)), 0, 64, "cpu", 100)[2]  # gap 50..60
+    assert not tiles.tile_tables(((0, 50, 0, 100, 0), (50, 100, 5, 5, 0)), 0, 64, "cpu", 100)[2]  # empty k range: no tile
     # dK/dV tiles: under inv_causal (row r sees keys >= r) the last keys have the most queries
-    meta, layers, _ = tb._tiles(((0, 256, 0, 256, 2),), 2, 64, "cpu", 256)
+    meta, layers, _ = tiles.tile_tables(((0, 256, 0, 256, 2),), 2, 64, "cpu", 256)
     assert layers[0][0][:, 0].tolist() == [192, 128, 64, 0]
 
 
 def test_triton_tiles_merge_slices_of_one_phase():
     """Slices whose ranges start at the same phase of the tile grid share tiles (one layer, one
     online softmax / one dK-dV accumulation over all members); other overlaps need layers."""
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
     # shared prefix: both slices of the document rows [100, 228) start at row 100
     shared = ((0, 100, 0, 100, 1), (100, 228, 0, 100, 0), (100, 200, 100, 200, 1))
-    meta, layers, covered = tb._tiles(shared, 0, 64, "cpu", 228)
+    meta, layers, covered = tiles.tile_tables(shared, 0, 64, "cpu", 228)
     assert len(layers) == 1 and covered
     table, members, _, _ = layers[0]
     rows = {int(t[0]): (int(t[1]), sorted(members[int(t[2]):int(t[2]) + int(t[3])].tolist())) for t in table}
     assert rows[100] == (164, [1, 2]) and rows[164] == (228, [1, 2]) and rows[0] == (64, [0])
     # block-causal keys: every block's k range starts at the document start -> one k layer
     blocks = tuple((b, b + 64, 0, b + 64, 0) for b in range(0, 256, 64))
-    assert len(tb._tiles(blocks, 2, 64, "cpu", 256)[1]) == 1
-    assert len(tb._layers(blocks, 2, 64)) == 1
+    assert len(tiles.tile_tables(blocks, 2, 64, "cpu", 256)[1]) == 1
+    assert len(tiles.slice_layers(blocks, 2, 64)) == 1
     # overlapping ranges of different phase conflict
-    assert len(tb._layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
-    assert len(tb._layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
+    assert len(tiles.slice_layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
+    assert len(tiles.slice_layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
 
 
 def test_triton_dq_mode_selection():
-    """dQ mode: split off the GPU and under torch's deterministic mode; the config's choice
+    """dQ mode: split off the GPU (and under torch's deterministic mode); the config's choice
     otherwise."""
-    from magi_kernels import KernelConfig
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import KernelConfig, plan_attention
 
-    x = torch.zeros(1)
-    assert tb._dq_mode(x, KernelConfig()) == "split"
-    assert tb._dq_mode(x, KernelConfig(dq_mode="atomic")) == "atomic"
+    def mode(config):
+        return plan_attention([(0, 8)], [(0, 8)], None, 8, 8, 1, 64, torch.float32, config, "cpu").backward.dq_mode
+
+    assert mode(KernelConfig()) == "split"
+    assert mode(KernelConfig(dq_mode="atomic")) == "atomic"
 
 
 def test_triton_head_dims():

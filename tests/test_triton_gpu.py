@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cases import mask_cases
-from magi_kernels import KernelConfig, flex_flash_attn_func
+from magi_kernels import KernelConfig, flex_flash_attn_func, plan_attention
 from magi_kernels.testing import dense_attention, dense_mask
 from magi_solver import slice_ranges
 
@@ -40,6 +40,12 @@ def test_triton_dq_mode_matches_dense(dq_mode, case, hq, hk, d):
     if dq_mode == "tma" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs sm90+")
     _check_against_dense(case, torch.bfloat16, hq, hk, d, KernelConfig(dq_mode=dq_mode))
+
+
+def _plan(q, k, ranges, config: KernelConfig | None = None):
+    """The plan a call on these inputs runs (which kernels: Gluon on sm90 at d=128)."""
+    return plan_attention(*ranges, q.shape[0], k.shape[0], (q.shape[1], k.shape[1]), q.shape[-1], q.dtype, config,
+                          q.device)
 
 
 def _check_against_dense(case, dtype, hq, hk, d, config: KernelConfig | None = None):
@@ -170,8 +176,7 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
     on 3 SMs (``sms3``: every program runs a queue of many tiles of different lengths), against
     the float64 reference; the Triton forward must agree, and the launch must give the same bits
     as one program per item (each item runs the same instructions wherever it is queued)."""
-    from magi_kernels import gluon_fwd as gf
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import gluon_common
 
     tiles = None
     if cfg.endswith("parts1"):
@@ -180,20 +185,20 @@ def test_gluon_forward_matches_dense(case, cfg, monkeypatch):
         tiles = tuple(int(x) for x in cfg.split(","))
     config = KernelConfig(gluon_fwd_tiles=tiles)
     if cfg.startswith("sms3"):
-        monkeypatch.setattr(gf, "sm_count", lambda device: 3)  # (the queue cache is keyed by the SM count)
+        monkeypatch.setattr(gluon_common, "sm_count", lambda device: 3)  # (plans are keyed by the SM count)
     slices, S = _ragged_cases()[case]
     torch.manual_seed(2)
     q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16) for h in (6, 2, 2))
-    if not tb._use_gluon(q, k, v, config):
-        pytest.skip("the Gluon forward needs sm90")
     args = ([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices])
+    if _plan(q, k, args, config).forward.kernel != "gluon":
+        pytest.skip("the Gluon forward needs sm90")
     out, lse = flex_flash_attn_func(q, k, v, *args, backend="triton", kernel_config=config)
     ro, rl = dense_attention(q.double(), k.double(), v.double(), dense_mask(slices, S, S, device="cuda"))
     fin = torch.isfinite(rl)
     assert torch.equal(torch.isfinite(lse), fin)
     torch.testing.assert_close(out.double(), ro, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double()[fin], rl[fin], atol=2e-2, rtol=2e-2)
-    monkeypatch.setattr(gf, "sm_count", lambda device: ONE_ITEM_PER_PROGRAM)
+    monkeypatch.setattr(gluon_common, "sm_count", lambda device: ONE_ITEM_PER_PROGRAM)
     out_1, lse_1 = flex_flash_attn_func(q, k, v, *args, backend="triton", kernel_config=config)
     assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
     out_t, lse_t = flex_flash_attn_func(q, k, v, *args, backend="triton", kernel_config=KernelConfig(gluon_fwd=False))
@@ -208,18 +213,17 @@ def test_gluon_forward_persistent_is_bitwise_per_tile(mask, monkeypatch):
     with the float64 reference on some rows."""
     from magi_attn.masks import make_mask
 
-    from magi_kernels import gluon_fwd as gf
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import gluon_common
 
     S, hq, hk = 8192, 48, 8
     ranges = slice_ranges(make_mask(mask, S, seed=0))
     qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in ranges)
     torch.manual_seed(3)
     q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
-    if not tb._use_gluon(q, k, v, KernelConfig()):
+    if _plan(q, k, (qr, kr, tm)).forward.kernel != "gluon":
         pytest.skip("the Gluon forward needs sm90")
     out, lse = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
-    monkeypatch.setattr(gf, "sm_count", lambda device: ONE_ITEM_PER_PROGRAM)
+    monkeypatch.setattr(gluon_common, "sm_count", lambda device: ONE_ITEM_PER_PROGRAM)
     out_1, lse_1 = flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton")
     assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
     rows = slice(S - 512, S)  # the last rows, against the reference over all keys (first 4 heads)
@@ -296,7 +300,6 @@ def test_gluon_backward_mixed_pieces_match_whole_programs(mask, variant, monkeyp
     turn a last-bit difference of a causal mask's large early-key dK into a bf16 ulp) must
     match the unsplit launch's up to fp32 summation order (dQ and the pieces' dK/dV are
     atomic adds), relative to each gradient's largest entry."""
-    from magi_kernels import gluon_bwd
     from magi_kernels import triton_backend as tb
 
     S, d = 76 * 128, 128
@@ -304,19 +307,18 @@ def test_gluon_backward_mixed_pieces_match_whole_programs(mask, variant, monkeyp
     torch.manual_seed(4)
     q, k, v = (torch.randn(S, h, d, device="cuda", dtype=torch.bfloat16) for h in (6, 2, 2))
     do = torch.randn(S, 6, d, device="cuda", dtype=torch.bfloat16)
-    if not tb._use_gluon_bwd(q, k, v, do, KernelConfig()):
+    if _plan(q, k, (qr, kr, tm)).backward.kernel != "gluon":
         pytest.skip("the Gluon backward needs sm90")
     out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)
-    grads, tables = {}, []
-    order_table = gluon_bwd._order_table
-    monkeypatch.setattr(gluon_bwd, "_order_table", lambda *a: tables.append(order_table(*a)) or tables[-1])
+    grads = {}
     for split in ("1", "0"):
         # the reference ("0"): whole programs everywhere (no per-launch pieces either)
         config = (KernelConfig(**PIECE_VARIANTS[variant]) if split == "1" else
                   KernelConfig(bwd_split_tail=False, bwd_piece_heads=0))
+        plan = _plan(q, k, (qr, kr, tm), config)
         grads[split] = tb.ffa_backward(do, q, k, v, out, lse, torch.zeros_like(lse), qr, kr, tm, d ** -0.5, 0.0,
-                                       config)
-        heads = tables[-1][0][:, 1].cpu()  # the launch's pieces: (program, g_lo | g_hi << 16)
+                                       config, plan)
+        heads = plan.backward.orders[0][0][:, 1].cpu()  # the launch's pieces: (program, g_lo | g_hi << 16)
         n_heads = (heads >> 16) - (heads & 0xFFFF)
         if split == "0":
             assert (n_heads == 3).all()
@@ -341,14 +343,12 @@ def test_gluon_backward_banded_launch_orders_match_dense(case, order):
 
 def _check_gluon_backward(slices, S, hq, hk, softcap, config: KernelConfig):
     """The Gluon backward against the float64 reference and the Triton backward (d=128, bf16)."""
-    from magi_kernels import triton_backend as tb
-
     torch.manual_seed(3)
     q, k, v = (torch.randn(S, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (hq, hk, hk))
     g = torch.randn(S, hq, 128, device="cuda", dtype=torch.bfloat16)
-    if not tb._use_gluon_bwd(q, k, v, g, config):
-        pytest.skip("the Gluon backward needs sm90")
     args = ([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices])
+    if _plan(q, k, args, config).backward.kernel != "gluon":
+        pytest.skip("the Gluon backward needs sm90")
     out, _ = flex_flash_attn_func(q, k, v, *args, softcap=softcap, backend="triton", kernel_config=config)
     grads = torch.autograd.grad(out, (q, k, v), g)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -15,6 +15,7 @@ from magi_comm import all_gather_rows, clear_shared_collectives
 from magi_comm.device_index import on_device
 from magi_kernels import (
     apply_sink,
+    clear_caches,
     check_qkv,
     check_scale_softcap,
     check_sink,
@@ -112,6 +113,7 @@ def clear_cache() -> None:
     _RUNTIMES.clear()
     _MOST_RECENT.clear()
     clear_shared_collectives()
+    clear_caches()  # the kernels' plans and tables
 
 
 atexit.register(clear_cache)

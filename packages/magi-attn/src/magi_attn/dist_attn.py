@@ -45,14 +45,22 @@ def _reduce_dkv(part: torch.Tensor, dkv: torch.Tensor, rt: DistAttnRuntime, stag
     return group_reduce(part, dkv, group=rt.group, op="sum", async_op=True, timeout_s=rt.config.comm_timeout_s, **kw)
 
 
+def _plan(q, k, args: SliceArgs, backend: str, rt: DistAttnRuntime):
+    """The stage's kernel plan, held by its slice arguments (the key's runtime): the GPU backend's
+    (a ``torch.compile`` graph re-plans inside the kernel op instead)."""
+    if backend != "triton" or torch.compiler.is_compiling():
+        return None
+    return args.plan(q, k, rt.config.kernel)
+
+
 def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime):
     return run_forward(q, k, v, args.q_ranges, args.k_ranges, args.attn_type_map, scale, softcap, backend, True,
-                       rt.config.kernel)
+                       rt.config.kernel, _plan(q, k, args, backend, rt))
 
 
 def _bwd(do, q, k, v, out, lse, dlse, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime):
     return run_backward(do, q, k, v, out, lse, dlse, args.q_ranges, args.k_ranges, args.attn_type_map,
-                        scale, softcap, backend, rt.config.kernel)
+                        scale, softcap, backend, rt.config.kernel, _plan(q, k, args, backend, rt))
 
 
 def _split_kv(kv: torch.Tensor, hk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,11 +14,12 @@ from .interface import (
 )
 from .kernel_config import GluonBwdTiles, GluonFwdTiles, KernelConfig, TritonTiles, default_kernel_config
 from .lse import merge_out_lse
+from .plan import AttentionPlan, clear_caches, plan_attention
 from .validation import check_qkv, check_scale_softcap
 
 __version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
 
-__all__ = ["BACKENDS", "GluonBwdTiles", "GluonFwdTiles", "KernelConfig", "TritonTiles", "apply_sink", "check_qkv",
-           "check_scale_softcap", "check_sink", "common_head_dim", "default_kernel_config", "ffa_bwd", "ffa_fwd",
-           "flex_flash_attn_func", "merge_out_lse", "pad_head_dim", "per_tensor", "resolve_backend", "run_backward",
-           "run_forward", "triton_available"]
+__all__ = ["AttentionPlan", "BACKENDS", "GluonBwdTiles", "GluonFwdTiles", "KernelConfig", "TritonTiles", "apply_sink",
+           "check_qkv", "check_scale_softcap", "check_sink", "clear_caches", "common_head_dim", "default_kernel_config",
+           "ffa_bwd", "ffa_fwd", "flex_flash_attn_func", "merge_out_lse", "pad_head_dim", "per_tensor", "plan_attention",
+           "resolve_backend", "run_backward", "run_forward", "triton_available"]

@@ -38,25 +38,17 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import program_order
-from .host_cache import upload
-from .kernel_config import TUNED_GLUON_BWD, KernelConfig
-from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
+from .gluon_common import MAX_REGS, REDUCE_ADD_AVAILABLE
+from .kernel_config import TUNED_GLUON_BWD, GluonBwdTiles
+from .tiles import TileLayer
+
+AVAILABLE = REDUCE_ADD_AVAILABLE  # the kernel needs Gluon and the TMA reduce-add
 
 if AVAILABLE:
-    try:  # Triton internals for the TMA reduce-add (no public Gluon wrapper in 3.6)
-        from triton._C.libtriton import ir
-        from triton.experimental.gluon.language._core import builtin
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    except ImportError:
-        AVAILABLE = False
-
-if AVAILABLE:
-    from .epilogue_jit import key_row_bounds, key_tile_rows, walk_start, walk_step
+    from .bwd_walk_jit import walk_start, walk_step
+    from .slice_bounds_jit import key_row_bounds, key_tile_rows
     from .gluon_common import (
         CONSUMER_REGS,
         LOADER_REGS,
@@ -71,76 +63,16 @@ if AVAILABLE:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from .gluon_common import TensorDescriptor
+    from .gluon_common import tma_reduce_add as _reduce_add
 
 # (BM, BN, STAGES) per head dim (``kernel_config.GluonBwdTiles``): BM query rows per step, BN keys
 # per program (two warpgroups of BN/2), STAGES-deep Q/dO ring; the head dims this kernel exists for
 CONFIGS = TUNED_GLUON_BWD
-DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
-__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "key_tile_size", "launch", "supported"]
-
-
-def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) -> int:
-    """How many of the last KV heads run tile-major (1 = head-major) for tiles of ``costs``
-    (``program_order.tile_costs``)."""
-    if mode == "head":
-        return 1
-    if mode == "tile":
-        return n_heads
-    if isinstance(mode, int):
-        return min(mode, n_heads)
-    return program_order.choose_band(costs, n_heads, n_sms)
-
-
-@functools.lru_cache(maxsize=256)
-def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
-                 split: bool, piece_heads: int | str, device: torch.device,
-                 staircase_share: float) -> tuple[torch.Tensor, bool, int]:
-    """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
-    piece covers fewer than ``group`` query heads; the heads per piece of a launch run all as
-    pieces, 0 for whole programs). ``piece_heads="auto"``: ``program_order.auto_piece_heads``
-    on the tile costs and ``staircase_share`` (the causal / inv_causal share of the area)."""
-    costs = program_order.tile_costs(work, block_rows)
-    if piece_heads == "auto":
-        piece_heads = program_order.auto_piece_heads(costs, group, staircase_share)
-    if piece_heads == group:  # one piece per program: whole programs
-        piece_heads = 0
-    if piece_heads:  # the band is chosen over (KV head, query-head chunk) pieces and their costs
-        chunks = group // piece_heads
-        piece_costs = [program_order.piece_cost(c, piece_heads, group) for c in costs]
-        band = order_band(piece_costs, n_heads * chunks, n_sms, mode)
-        pieces = program_order.head_chunk_pieces(len(work), n_heads, group, piece_heads, band)
-        partial = True  # (piece_heads < group here: a whole group is whole programs, above)
-    else:
-        band = order_band(costs, n_heads, n_sms, mode)
-        order = program_order.band_order(len(work), n_heads, band)
-        pieces = program_order.split_tail(order, costs, len(work), n_sms, group) if split else [
-            (p, 0, group) for p in order]
-        partial = len(pieces) > len(order)
-    table = [(p, lo | hi << 16) for p, lo, hi in pieces]
-    return upload(torch.tensor(table, dtype=torch.int32), device), partial, piece_heads
-
-
-def key_tile_size(d: int, config: KernelConfig) -> int:
-    """Keys per program (the block of the key-tile tables the launch reads)."""
-    return config.gluon_bwd_for(d).block_n
-
-
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this kernel can run the backward of these inputs (sm90, a tuned head dim,
-    16-byte aligned rows)."""
-    return AVAILABLE and hopper_supported(q, k, v, CONFIGS)
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_REGS", "launch"]
 
 
 if AVAILABLE:
-
-    @builtin
-    def _reduce_add(tensor_desc, coord, src, _semantic=None):
-        """TMA bulk reduce-add of shared memory ``src`` into the descriptor's tensor at ``coord``
-        (asynchronous; ``tma.store_wait`` waits for it). Triton 3.6's Gluon builds the op but has
-        no Python wrapper for it."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
 
     @gluon.jit
     def _reduce_add_rows(desc, buf, x, row, col, W: gl.constexpr, DH: gl.constexpr):
@@ -389,36 +321,25 @@ if AVAILABLE:
         box = [rows, dq.shape[-1] // 2]
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, shared_layout(*box, dq.dtype))
 
-    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
-               softcap, accum, staircase_share, config: KernelConfig):
-        """One launch over the key tiles (key-tile tables of block ``key_tile_size(d)``; ``work``:
-        the host copy of their work, which sets the launch order) x KV heads. ``dq`` is an fp32
-        accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to).
-        ``staircase_share``: the causal / inv_causal share of the mask's area (whether the
-        launch runs as pieces, ``program_order.auto_piece_heads``). ``config``: tiles, walk and order."""
+    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, layer: TileLayer, order: tuple[torch.Tensor, bool, int],
+               piece_tma: bool, tiles: GluonBwdTiles, rotate: bool, scale, qk_scale, cap_in, cap_out, softcap, accum):
+        """One launch of a plan's layer (``plan.BackwardPlan``): the key tiles of ``layer`` (tables of
+        block ``tiles.block_n``) x KV heads in the program order ``order`` (pieces table, whether some
+        piece covers part of the GQA group, heads per piece). ``dq`` is an fp32 accumulator the
+        launch adds to; ``dk``/``dv`` are written (``accum``: added to)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages = config.gluon_bwd_for(d)
-        piece_heads = "auto" if config.bwd_piece_heads is None else config.bwd_piece_heads
-        if piece_heads != "auto" and piece_heads and (hq // hk) % piece_heads:
-            raise ValueError(f"KernelConfig.bwd_piece_heads={piece_heads} must divide the GQA group of {hq // hk} "
-                             "query heads per KV head (or be 0 or None for auto)")
-        order, split, all_pieces = _order_table(work, hk, sm_count(q.device), config.bwd_order, BM, hq // hk,
-                                                config.bwd_split_tail, piece_heads, q.device, round(staircase_share, 3))
+        BM, BN, stages = tiles
+        table, split, _ = order
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
-        add = config.bwd_piece_add
-        piece_tma = add == "tma" or (add == "auto" and bool(all_pieces) and BN // 2 == BM)
-        if piece_tma and BN // 2 != BM:
-            raise ValueError(f"KernelConfig.bwd_piece_add='tma' stages a warpgroup's {BN // 2} key rows in the {BM}-row "
-                             f"dQ buffer: it needs BN = 2 BM (gluon_bwd_tiles), got BM={BM}, BN={BN}")
         dq_d = dq_descriptor(dq, BM)
         # (without PIECE_TMA the dK/dV descriptors are not read: dQ's stands in, no host work)
         dk_d, dv_d = (dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2)) if piece_tma else (dq_d, dq_d)
-        _bwd_ws_kernel[(len(order),)](
+        _bwd_ws_kernel[(len(table),)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dk, dv,
-            lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
-            GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=config.bwd_rotate, PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
+            lse2, delta, meta, layer.tiles, layer.members, table, layer.n, q.shape[0], hq, scale, qk_scale, cap_in,
+            cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
+            ROTATE=rotate, PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
         )

@@ -34,14 +34,11 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import program_order
-from .host_cache import upload
-from .kernel_config import TUNED_GLUON_FWD, KernelConfig
-from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
+from .gluon_common import AVAILABLE, MAX_REGS
+from .kernel_config import TUNED_GLUON_FWD, GluonFwdTiles
+from .tiles import TileLayer
 
 if AVAILABLE:
     from .epilogue_jit import lse_merge_weights, softmax_lse
@@ -62,44 +59,7 @@ if AVAILABLE:
 # this kernel exists for. d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs
 # 380 TFLOP/s) but its correctness run did not finish on the device: not offered until it does
 CONFIGS = TUNED_GLUON_FWD
-DEFAULT_HEAD_DIMS = (128,)  # where it is the default forward (measured faster than Triton's)
-__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "launch", "supported", "tile_rows"]
-
-
-# an item's fixed cost in key blocks (its output and the ring's refill), for the queues
-PERSIST_ITEM_OVERHEAD_BLOCKS = 0.5
-
-
-def item_tiles(n_tiles: int, hq: int, group: int) -> list[int]:
-    """The tile of each item of the KV-major order, item id = position (``_program_tile``)."""
-    per_kv = n_tiles * group
-    return [(p % per_kv) // group for p in range(n_tiles * hq)]
-
-
-@functools.lru_cache(maxsize=256)
-def _queue_table(work: tuple[int, ...], hq: int, group: int, block_keys: int, n_sms: int,
-                 device: torch.device) -> tuple[torch.Tensor, int]:
-    """(queue table, programs) of a launch: the list schedule of the KV-major order's items on
-    ``n_sms`` SMs (``program_order.list_queues``, item cost: its tile's key blocks), as int32
-    [programs + 1 offsets, then the items of program 0, 1, ...]."""
-    blocks = [-(-w // block_keys) + PERSIST_ITEM_OVERHEAD_BLOCKS for w in work]
-    queues = program_order.list_queues([blocks[t] for t in item_tiles(len(work), hq, group)], n_sms)
-    offsets = [0]
-    for qu in queues:
-        offsets.append(offsets[-1] + len(qu))
-    table = offsets + [item for qu in queues for item in qu]
-    return upload(torch.tensor(table, dtype=torch.int32), device), len(queues)
-
-
-def tile_rows(d: int, config: KernelConfig) -> int:
-    """Query rows per tile (the block of the tile tables the launch reads)."""
-    return config.gluon_fwd_for(d).block_m
-
-
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this kernel can run the forward of these inputs (sm90, a tuned head dim,
-    16-byte aligned rows)."""
-    return hopper_supported(q, k, v, CONFIGS)
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_REGS", "launch"]
 
 
 if AVAILABLE:
@@ -132,7 +92,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _queue(QUEUE):
-        """This program's items [lo, hi) of the launch's queue table (``_queue_table``)."""
+        """This program's items [lo, hi) of the launch's queue table (``plan.fwd_queue_table``)."""
         pid = gl.program_id(0)
         return gl.load(QUEUE + pid), gl.load(QUEUE + pid + 1), gl.num_programs(0) + 1
 
@@ -386,17 +346,18 @@ if AVAILABLE:
                              cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-    def launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, accum,
-               config: KernelConfig):
-        """One launch over the query tiles x heads (tile tables of block ``tile_rows(d, config)``;
-        ``work``: the host copy of each tile's visible keys, which sets the programs' queues)."""
+    def launch(q, k, v, out, lse, meta, layer: TileLayer, queue: tuple[torch.Tensor, int], tiles: GluonFwdTiles,
+               qk_scale, cap_in, cap_out, softcap, accum):
+        """One launch of a plan's layer (``plan.ForwardPlan``): the query tiles of ``layer`` (tables of
+        block ``tiles.block_m``) x heads, one persistent program per queue of ``queue`` (queue table,
+        programs)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages, parts, ping = config.gluon_fwd_for(d)
-        queue, programs = _queue_table(work, hq, hq // hk, BN, sm_count(q.device), q.device)
+        BM, BN, stages, parts, ping = tiles
+        table, programs = queue
         _fwd_ws_kernel[(programs,)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, queue, hq,
-            len(work), qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, layer.tiles, layer.members,
+            table, hq, layer.n, qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
             HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), num_warps=8 // parts,
             maxnreg=MAX_REGS,
         )

@@ -16,6 +16,7 @@ from . import reference
 from .head_features import apply_sink, check_sink, common_head_dim, pad_head_dim
 from .kernel_config import KernelConfig, config_json, resolve_kernel_config
 from .lse import merge_out_lse
+from .plan import AttentionPlan, call_plan
 from .validation import (
     SliceTensors,
     check_accumulators,
@@ -104,11 +105,12 @@ def ffa_fwd(
 
 
 def _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False,
-                  config: KernelConfig | None = None):
+                  config: KernelConfig | None = None, plan: AttentionPlan | None = None):
     """The forward on ``backend`` (the custom op's body; the eager autograd path calls it directly)."""
     if backend == "triton":
         tri = _triton_module()
-        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out, config)
+        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out, config,
+                               plan)
     return reference.ffa_forward(
         q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, acc_out
     )
@@ -134,12 +136,12 @@ def ffa_bwd(
 
 
 def _backward_impl(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend,
-                   config: KernelConfig | None = None):
+                   config: KernelConfig | None = None, plan: AttentionPlan | None = None):
     """The backward on ``backend`` (the custom op's body; the eager autograd path calls it directly)."""
     if backend == "triton":
         tri = _triton_module()
         return tri.ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                                config)
+                                config, plan)
     return reference.ffa_backward(
         do, q, k, v, out, lse, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, dlse
     )
@@ -152,27 +154,31 @@ def _(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_sc
 
 
 def run_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale: float, softcap: float, backend: str,
-                acc_out: bool = False, kernel_config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                acc_out: bool = False, kernel_config: KernelConfig | None = None,
+                plan: AttentionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ffa_fwd`` without autograd for callers that build their own (context-parallel stages):
     the custom op where a ``torch.compile`` graph records it, its body directly in eager mode
     (the dispatcher costs tens of microseconds of host time per call). ``kernel_config``: None
-    for the process default (``default_kernel_config``)."""
+    for the process default (``default_kernel_config``) or the plan's; ``plan``: a plan of these
+    inputs (``plan_attention``; the GPU backend runs it, a ``torch.compile`` graph re-plans)."""
     if torch.compiler.is_compiling():
+        cfg = plan.key.config if plan is not None and kernel_config is None else kernel_config
         return ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out, False,
-                       config_json(kernel_config))
+                       config_json(cfg))
     return _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out,
-                         resolve_kernel_config(kernel_config))
+                         kernel_config, plan)
 
 
 def run_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale: float,
-                 softcap: float, backend: str,
-                 kernel_config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softcap: float, backend: str, kernel_config: KernelConfig | None = None,
+                 plan: AttentionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ffa_bwd`` as ``run_forward`` runs ``ffa_fwd``: fp32 (fp64 for fp64 inputs) dq, dk, dv."""
     if torch.compiler.is_compiling():
+        cfg = plan.key.config if plan is not None and kernel_config is None else kernel_config
         return ffa_bwd(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend,
-                       config_json(kernel_config))
+                       config_json(cfg))
     return _backward_impl(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                          backend, resolve_kernel_config(kernel_config))
+                          backend, kernel_config, plan)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -180,9 +186,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, qr, kr, tm)
     ctx.scale, ctx.softcap, ctx.backend = scale, softcap, backend
-    # the op's inputs end with (acc_out, check_ranges, the config's JSON), the eager path's with the config
-    last = rest[-1] if rest else None
-    ctx.kernel_config = last if isinstance(last, (KernelConfig, str)) else ""
+    # the op's inputs end with (acc_out, check_ranges, the config's JSON), the eager path's with
+    # (the config, the plan)
+    if rest and isinstance(rest[0], KernelConfig):
+        ctx.kernel_config, ctx.plan = rest[0], rest[1]
+    else:
+        last = rest[-1] if rest else None
+        ctx.kernel_config, ctx.plan = (last if isinstance(last, str) else ""), None
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
@@ -193,7 +203,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         dlse = torch.zeros_like(lse)
     config = ctx.kernel_config
     dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, qr, kr, tm, ctx.scale, ctx.softcap, ctx.backend,
-                              KernelConfig.from_json(config) if isinstance(config, str) else config)
+                              KernelConfig.from_json(config) if isinstance(config, str) else config, ctx.plan)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None
 
 
@@ -207,14 +217,15 @@ class _EagerFFA(torch.autograd.Function):
     kernels are shorter than its host cost is launch-bound). ``torch.compile`` uses the op."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, qr, kr, tm, scale: float, softcap: float, backend: str, config: KernelConfig):
-        out, lse = _forward_impl(q, k, v, qr, kr, tm, scale, softcap, backend, False, config)
-        _setup_context(ctx, (q, k, v, qr, kr, tm, scale, softcap, backend, config), (out, lse))
+    def forward(ctx: Any, q, k, v, qr, kr, tm, scale: float, softcap: float, backend: str, config: KernelConfig,
+                plan: AttentionPlan | None):
+        out, lse = _forward_impl(q, k, v, qr, kr, tm, scale, softcap, backend, False, config, plan)
+        _setup_context(ctx, (q, k, v, qr, kr, tm, scale, softcap, backend, config, plan), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-        return _backward(ctx, dout, dlse)[:10]
+        return _backward(ctx, dout, dlse)[:11]
 
 
 def flex_flash_attn_func(
@@ -233,6 +244,7 @@ def flex_flash_attn_func(
     check_ranges: bool = True,
     sink: torch.Tensor | None = None,
     kernel_config: KernelConfig | None = None,
+    plan: AttentionPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a list of slices ``(q_range, k_range, mask_type)``.
 
@@ -270,6 +282,11 @@ def flex_flash_attn_func(
             the process default (``default_kernel_config``: the measured defaults, or the
             ``MAGI_TRITON_*`` / ``MAGI_GLUON_*`` developer overrides read once). The torch
             backend ignores it.
+        plan: a plan of exactly these inputs (``plan_attention``: slices, shapes, dtype, device,
+            config); the GPU backend launches it without planning, a call with other inputs is
+            refused with an error naming what differs. None: the plan is found in a memo keyed
+            on the same values (built at the first call of a mask). With a plan and no
+            ``kernel_config``, the plan's config runs.
 
     Returns:
         ``(out, lse)``: out ``[total_q, heads_q, v_head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
@@ -285,14 +302,24 @@ def flex_flash_attn_func(
     be = resolve_backend(backend, q)
     dv, d = v.shape[-1], common_head_dim(q, v)
     q, k, v = (pad_head_dim(t, d) for t in (q, k, v))
+    if plan is not None:
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be a magi_kernels.AttentionPlan (plan_attention) or None, got "
+                            f"{type(plan).__name__}")
+        if kernel_config is None:
+            kernel_config = plan.key.config
     if torch.compiler.is_compiling():  # a graph cannot read the ranges: the op checks them when it runs
+        # (nor hold a plan: the op finds the memoised plan of its inputs)
         o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges,
                              config_json(kernel_config))
     else:
         if check_ranges:
             check_slice_tensors(st, q.shape[0], k.shape[0])
-        o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be,
-                                     resolve_kernel_config(kernel_config))
+        config = resolve_kernel_config(kernel_config)
+        if plan is not None and be != "triton":  # the torch backend has no launches to plan: check the inputs
+            call_plan(q, k, st.q_ranges, st.k_ranges, st.attn_type_map, config, plan)
+        o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, config,
+                                     plan)
     if dv != d:
         o = o[..., :dv]
     if out is not None:

@@ -241,6 +241,9 @@ class KernelConfig:
         object.__setattr__(self, "_json", json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                                                      sort_keys=True))
 
+    def __hash__(self) -> int:  # plans are looked up by their config on every call: a cached string's hash
+        return hash(self._json)  # type: ignore[attr-defined]
+
     # resolved per head dim ------------------------------------------------------------------
 
     def triton_fwd_for(self, d: int, tma: bool) -> TritonTiles:

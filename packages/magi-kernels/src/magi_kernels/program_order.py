@@ -20,7 +20,7 @@ get bands of 2-4 heads at 8k-16k. Measured on the H200 (v11): 8k causal 385 -> 4
 ``split_tail`` then fills a part-empty last wave: the last programs of the order run as pieces
 over fewer of their GQA group's query heads (their dK/dV added with atomics), chosen on the same
 list-schedule model (v14: 16k/32k full and sliding window split their last wave). Plain Python on
-host-side work counts (no device reads); the caller (``gluon_bwd``) caches the table per work
+host-side work counts (no device reads); the caller (``plan.bwd_order_table``) caches the table per work
 tuple (0.2-3 ms to build at 8k-128k tokens).
 
 ``list_queues`` replays the same list schedule for a persistent launch (one program per SM that
