@@ -110,3 +110,15 @@ def test_planning_modules_import_no_triton():
                 continue
             bad = [m for m in mods if m.split(".")[0] == "triton" or m.lstrip(".") in launching]
             assert not bad, f"{name}.py imports {bad}"
+
+
+def test_dist_attn_stage_holds_its_plans():
+    """magi_attn's per-stage slice arguments (held by the key's runtime) build their kernel plan
+    once per shape and config and hand the same one to every later call."""
+    from magi_attn.runtime import SliceArgs
+
+    args = SliceArgs.build([(0, 300, 0, 300, 1), (300, 500, 0, 500, 0)], 0)
+    q, k = torch.empty(500, 8, 64), torch.empty(500, 2, 64)
+    plan = args.plan(q, k, KernelConfig())
+    assert args.plan(q, k, KernelConfig()) is plan and plan.key.slices == ((0, 300, 0, 300, 1), (300, 500, 0, 500, 0))
+    assert args.plan(q, k, KernelConfig(dq_mode="atomic")) is not plan and len(args.plans) == 2
