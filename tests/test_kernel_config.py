@@ -156,3 +156,26 @@ def test_dist_attn_config_carries_the_kernel_config_into_the_fingerprint():
     assert changed == {"dist_attn_config.kernel"}
     with pytest.raises(TypeError, match="DistAttnConfig.kernel must be a magi_kernels.KernelConfig"):
         DistAttnConfig(kernel="fast")
+
+
+def test_other_packages_use_only_magi_kernels_public_api():
+    """magi-attn, magi-comm and the integrations import magi_kernels' names from the package
+    itself (its ``__init__`` is its whole public API), never from its modules or private names."""
+    import ast
+    import re
+
+    import magi_kernels
+
+    root = pathlib.Path(__file__).parents[1]
+    sources = [*root.glob("packages/magi-attn/src/**/*.py"), *root.glob("packages/magi-comm/src/**/*.py"),
+               *root.glob("integrations/src/**/*.py")]
+    bad = []
+    for path in sources:
+        text = path.read_text()
+        bad += [f"{path.name}: {m}" for m in re.findall(r"magi_kernels\._[a-z]\w*", text)]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("magi_kernels"):
+                if node.module != "magi_kernels":
+                    bad.append(f"{path.name}: from {node.module} import ...")
+                bad += [f"{path.name}: {a.name}" for a in node.names if a.name not in magi_kernels.__all__]
+    assert not bad, bad
