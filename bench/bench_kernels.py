@@ -7,9 +7,9 @@ Usage: python bench/bench_kernels.py --seqlens 8192 16384 32768 --out results.js
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import sys
 import time
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from magi_attn import make_mask
 from magi_solver import slice_ranges
-from magi_kernels import flex_flash_attn_func
+from magi_kernels import KernelConfig, clear_caches, default_kernel_config, flex_flash_attn_func, plan_attention
 
 MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal"]
 
@@ -42,23 +42,6 @@ def bench(fn, reps_ms=200):
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
-
-
-def with_env(fn, name: str, value: str):
-    """``fn`` run with the environment variable ``name`` set to ``value`` (the backend reads its
-    switches per call), restored after."""
-    def run_with():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-
-    return run_with
 
 
 def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windows: dict | None = None,
@@ -99,7 +82,6 @@ def run(args, on_row=lambda rows: None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from magi_kernels import triton_backend as tb
 
     # the timing loop calls backward with retain_graph=True, which a compiled backward with
     # donated buffers refuses (it did at 32k after the shapes changed)
@@ -126,15 +108,21 @@ def run(args, on_row=lambda rows: None):
             g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
             res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S, "rounds": args.rounds}
 
-            def ours():
-                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False)[0]
+            def ours(config: KernelConfig | None = None):
+                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False,
+                                            kernel_config=config)[0]
 
             o = ours()
             fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
-            if args.triton_ab and tb._use_gluon(q, k, v):  # A/B: the Triton forward in the same process
-                fns["magi_triton_fwd"] = with_env(ours, "MAGI_GLUON_FWD", "0")
-            if args.triton_ab and tb._use_gluon_bwd(q, k, v, g):  # A/B: the Triton backward in the same process
-                fns["magi_triton_bwd"] = with_env(fns["magi_bwd"], "MAGI_GLUON_BWD", "0")
+            # A/B: the Triton kernels in the same process, where the Gluon ones run by default
+            plan = plan_attention(qr, kr, tm, S, S, (hq, hk), d, q.dtype, device=dev)
+            res["plan"] = str(plan)
+            triton_only = dataclasses.replace(default_kernel_config(), gluon_fwd=False, gluon_bwd=False)
+            if args.triton_ab and plan.forward.kernel == "gluon":
+                fns["magi_triton_fwd"] = lambda: ours(triton_only)
+            if args.triton_ab and plan.backward.kernel == "gluon":
+                o_t = ours(triton_only)
+                fns["magi_triton_bwd"] = lambda: torch.autograd.grad(o_t, (q, k, v), g, retain_graph=True)
             for fn in fns.values():
                 fn()
             res.update(metadata_ms(q, k, v, qr, kr, tm))
@@ -199,24 +187,28 @@ def run(args, on_row=lambda rows: None):
 
 
 def metadata_ms(q, k, v, qr, kr, tm) -> dict[str, float]:
-    """Host cost of the forward's mask metadata: ``magi_meta_ms`` per call with the tables cached
-    (the same mask again: host tuple + cache lookup), ``magi_meta_build_ms`` building them for a
+    """Host cost of the forward's mask metadata: ``magi_meta_ms`` per call with the plan cached
+    (the same mask again: slice table + plan lookup), ``magi_meta_build_ms`` building it for a
     mask not seen before (a new document layout each step: slice table, tile tables, their
     upload), timed with the GPU idle, and ``magi_meta_build_busy_ms`` the same build right after
     queueing a forward: equal to the idle build when the upload does not wait for the queued
     kernels, a forward's time more if it does (a syncing copy)."""
-    from magi_kernels import triton_backend as tb
+    shape = (q.shape[0], k.shape[0], (q.shape[1], k.shape[1]), q.shape[-1], q.dtype)
 
-    rows, block = q.shape[0], tb._fwd_plan(q, k, v)[2][0]
+    def lookup():
+        return plan_attention(qr, kr, tm, *shape, device=q.device).forward
+
+    lookup()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(100):  # the forward above filled the caches
-        tb._tiles(tb._host_tuple(qr, kr, tm), 0, block, str(q.device), rows)
+        lookup()
     t1 = time.perf_counter()
 
     def build_new() -> float:
+        clear_caches()  # a mask not seen before (the next calls rebuild this one's plan once)
         t = time.perf_counter()
-        tb._tiles.__wrapped__(tb._host_tuple(qr.clone(), kr.clone(), tm.clone()), 0, block, str(q.device), rows)
+        plan_attention(qr.clone(), kr.clone(), tm.clone(), *shape, device=q.device).forward
         return (time.perf_counter() - t) * 1e3
 
     build = build_new()

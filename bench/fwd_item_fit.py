@@ -43,12 +43,13 @@ def item_features(mask: str, seqlen: int, bm: int = 128, bn: int = 128) -> tuple
     import torch
 
     from magi_attn import make_mask
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import KernelConfig, plan_attention
     from magi_solver import slice_ranges
 
     ranges = (torch.tensor(x, dtype=torch.int32) for x in slice_ranges(make_mask(mask, seqlen, seed=0)))
-    meta, layers, _ = tb._tiles(tb._host_tuple(*ranges), 0, bm, "cpu", seqlen)
-    meta = meta.tolist()
+    tiles = KernelConfig(triton_fwd_tiles=(bm, bn, 8, 3), gluon_fwd=False)  # the query tiles of block bm
+    fwd = plan_attention(*ranges, seqlen, seqlen, 1, 128, torch.bfloat16, tiles, "cpu").forward
+    meta, layers = fwd.meta.tolist(), fwd.layers
     blocks = partial = items = 0
     for tiles, members, _n, _work in layers:
         members = members.tolist()

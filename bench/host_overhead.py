@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
-import os
 import pstats
 import sys
 import time
@@ -25,7 +25,7 @@ import torch
 from bench_kernels import bench  # the bench's timer (do_bench, L2 flushed before each call)
 
 from magi_attn import make_mask
-from magi_kernels import flex_flash_attn_func, run_forward
+from magi_kernels import default_kernel_config, flex_flash_attn_func, run_forward
 from magi_solver import slice_ranges
 
 
@@ -99,13 +99,15 @@ def main() -> int:
         k, v = (torch.randn(S, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         g = torch.randn_like(q)
 
-        def fwd():
-            return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False)[0]
-
-        o = fwd()
-        passes = {"fwd": fwd, "bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
         for gluon in ("1", "0"):
-            os.environ["MAGI_GLUON_FWD"] = os.environ["MAGI_GLUON_BWD"] = gluon
+            config = dataclasses.replace(default_kernel_config(), gluon_fwd=gluon == "1", gluon_bwd=gluon == "1")
+
+            def fwd(config=config):
+                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False,
+                                            kernel_config=config)[0]
+
+            o = fwd()
+            passes = {"fwd": fwd, "bwd": lambda o=o: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
             for name, fn in passes.items():
                 fn()
                 row = {"seqlen": S, "mask": mask, "pass": name, "gluon": gluon, "host_ms": round(host_ms(fn), 4),
@@ -113,13 +115,11 @@ def main() -> int:
                        "do_bench_ms": round(bench(fn, 200), 4),
                        "padded_ms": round(padded_ms(fn), 4)}
                 if name == "fwd":  # the backend alone, without the autograd layer
-                    fwd_only = lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton")  # noqa: E731
+                    fwd_only = lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton", False, config)  # noqa: E731
                     row["backend_host_ms"] = round(host_ms(fwd_only), 4)
                 print(json.dumps(row), flush=True)
                 if args.cprofile and gluon == "1":
                     print(top_host_functions(fn), file=sys.stderr)
-        os.environ.pop("MAGI_GLUON_FWD")
-        os.environ.pop("MAGI_GLUON_BWD")
     return 0
 
 

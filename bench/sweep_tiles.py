@@ -17,7 +17,7 @@ import torch
 
 from magi_attn import make_mask
 from magi_solver import slice_ranges
-from magi_kernels import run_backward, run_forward
+from magi_kernels import KernelConfig, run_backward, run_forward
 
 # the variables each pass reads, with the values swept (a variable of MAGI_SWEEP found in neither
 # is timed on the backward)
@@ -137,14 +137,15 @@ def main() -> int:
             profile(mask, lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton"),
                     lambda: run_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0, "triton"))
         for n_run, (label, cfg, settings) in enumerate(runs):
-            os.environ.update(settings)
+            # the variables' config (read here, per setting: the kernels never read the environment)
+            config = KernelConfig.from_env({**os.environ, **settings})
             which = set_pass(settings)
             if which == "fwd":
-                fn = lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton")  # noqa: E731
+                fn = lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton", False, config)  # noqa: E731
                 mult = 1.0
             else:
                 fn = lambda: run_backward(  # noqa: E731
-                    do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0, "triton")
+                    do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0, "triton", config)
                 mult = 2.5
             row = {"mask": mask, "seqlen": S, "var": label, "cfg": cfg, "pass": which}
             try:
@@ -158,8 +159,6 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - an unbuildable config is a result too
                 row["error"] = repr(e)[:160]
             print(json.dumps(row), flush=True)
-            for var in settings:
-                os.environ.pop(var)
     return 0
 
 

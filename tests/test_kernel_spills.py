@@ -35,10 +35,10 @@ def _inner(loops):
 
 @pytest.mark.parametrize("bm1", [32, 64])
 def test_backward_inner_loops_do_not_spill(bm1):
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import KernelConfig
 
-    _, bn1, warps, stages = tb._DKDV_DEFAULTS[128]
-    bm2, bn2, _, _ = tb._DQ_DEFAULTS[128]
+    _, bn1, warps, stages = KernelConfig().triton_dkdv_for(128)
+    bm2, bn2, _, _ = KernelConfig().triton_dq_for(128)
     _, loops = kr.compile_report(kr.bwd_source(BM1=bm1, BN1=bn1, BM2=bm2, BN2=bn2), warps, stages)
     inner = _inner(loops)
     assert len(inner) == 6, inner  # partial / full / partial runs of dK/dV and of dQ
@@ -48,9 +48,9 @@ def test_backward_inner_loops_do_not_spill(bm1):
 
 @pytest.mark.parametrize("tma", [True, False])
 def test_forward_inner_loops_do_not_spill(tma):
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import KernelConfig
 
-    bm, bn, warps, stages = tb._fwd_config(128, tma)
+    bm, bn, warps, stages = KernelConfig().triton_fwd_for(128, tma)
     _, loops = kr.compile_report(kr.fwd_source(BM=bm, BN=bn, TMA=tma), warps, stages)
     inner = _inner(loops)
     assert len(inner) == 3, inner
@@ -95,35 +95,3 @@ def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, extra):
     assert len(inner) == 2 and all(lp["hgmma"] == 32 for lp in inner), inner
     assert all(lp["ldl"] <= 40 and lp["stl"] <= 20 for lp in inner), inner
     assert all(lp["wgmma_waits"] <= 3 for lp in inner), inner  # S/dP, dP/dV, all: 3
-
-
-# (module, switch, bad value, reader, start of the error message)
-BAD_SWITCHES = [
-    ("gluon_bwd", "MAGI_GLUON_BWD_ORDER", "rows", "_order_mode", "must be 'auto', 'head', 'tile' or a positive"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_SPLIT", "yes", "_split", "must be one of '0', '1'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_ROTATE", "on", "_rotate", "must be one of '0', '1'"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_PIECES", "two", "_pieces", "must be 'auto', 0 or a divisor of the GQA group"),
-    ("gluon_bwd", "MAGI_GLUON_BWD_PIECE_ADD", "red", "_piece_add", "must be one of 'auto', 'atomic', 'tma'"),
-]
-
-
-@pytest.mark.parametrize("module,var,value,reader,message", BAD_SWITCHES)
-def test_gluon_env_switches_reject_bad_values(module, var, value, reader, message, monkeypatch):
-    """A bad value of a Gluon kernel switch is an error naming the variable and the choices."""
-    mod = pytest.importorskip(f"magi_kernels.{module}")
-    monkeypatch.setenv(var, value)
-    with pytest.raises(ValueError, match=f"{var} {message}"):
-        getattr(mod, reader)()
-
-
-def test_gluon_env_switch_defaults_and_values(monkeypatch):
-    """The measured defaults of the Gluon kernels' switches, and the values they select."""
-    gb = pytest.importorskip("magi_kernels.gluon_bwd")
-    gf = pytest.importorskip("magi_kernels.gluon_fwd")
-    assert gb._order_mode() == "auto" and gb._split() and gb._rotate()
-    assert gb._pieces() == "auto" and gb._piece_add() == "auto"
-    assert gb._config(128) == gb.CONFIGS[128] and gf._config(128) == gf.CONFIGS[128]
-    monkeypatch.setenv("MAGI_GLUON_BWD_ORDER", "3")
-    monkeypatch.setenv("MAGI_GLUON_BWD_ROTATE", "0")
-    monkeypatch.setenv("MAGI_GLUON_BWD_CFG", "64,128,2")
-    assert gb._order_mode() == 3 and not gb._rotate() and gb._config(128) == (64, 128, 2)

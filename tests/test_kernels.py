@@ -169,14 +169,14 @@ class TestErrors:
 
 
 def test_gpu_backend_metadata_memo_tracks_in_place_changes():
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
     qr = torch.tensor([[0, 4], [4, 8]], dtype=torch.int32)
     kr, tm = qr.clone(), torch.tensor([1, 0], dtype=torch.int32)
-    first = tb._host_tuple(qr, kr, tm)
-    assert tb._host_tuple(qr, kr, tm) is first
+    first = tiles.host_slices(qr, kr, tm)
+    assert tiles.host_slices(qr, kr, tm) is first
     kr[1, 1] = 6  # in place: must not serve the stale table
-    assert tb._host_tuple(qr, kr, tm) == ((0, 4, 0, 4, 1), (4, 8, 4, 6, 0))
+    assert tiles.host_slices(qr, kr, tm) == ((0, 4, 0, 4, 1), (4, 8, 4, 6, 0))
 
 
 def test_host_cache_reads_a_tensor_once_per_object_and_version():
@@ -201,65 +201,61 @@ def test_triton_tile_tables_longest_first_and_row_coverage():
     """Host side of the Triton backend (runs without a GPU): tiles of a layer are ordered by
     descending work, and the 'layer 0 writes every row' flag that lets outputs skip their zero
     fill is exact (a wrong True would leave uninitialised rows)."""
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
-    meta, layers, covered = tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
+    meta, layers, covered = tiles.tile_tables(((0, 300, 0, 300, 1),), 0, 64, "cpu", 300)
     table, members, n, host_work = layers[0]
     assert n == 5 and covered and members.tolist() == [0] * 5
     start, end, first, count = table.long().unbind(1)
-    work = tb.tile_work(meta, members[first], start, 0, 64)
+    work = tiles.tile_work(meta, members[first], start, 0, 64)
     assert work.tolist() == sorted(work.tolist(), reverse=True) and start.tolist()[0] == 256  # causal: last rows first
     assert list(host_work) == work.tolist() == [300, 256, 192, 128, 64]  # the host copy the launch order uses
     assert end.tolist()[0] == 300 and count.tolist() == [1] * 5
-    assert not tb._tiles(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
-    assert tb._tiles(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
-    assert not tb._tiles(((0, 50, 0, 100, 0), (60, 100, 0, 10, 0)), 0, 64, "cpu", 100)[2]  # gap 50..60
-    assert not tb._tiles(((0, 50, 0, 100, 0), (50, 100, 5, 5, 0)), 0, 64, "cpu", 100)[2]  # empty k range: no tile
+    assert not tiles.tile_tables(((0, 300, 0, 300, 1),), 0, 64, "cpu", 301)[2]  # one row never written
+    assert tiles.tile_tables(((0, 50, 0, 100, 0), (50, 100, 0, 10, 2)), 0, 64, "cpu", 100)[2]
+    assert not tiles.tile_tables(((0, 50, 0, 100, 0), (60, 100, 0, 10, 0)), 0, 64, "cpu", 100)[2]  # gap 50..60
+    assert not tiles.tile_tables(((0, 50, 0, 100, 0), (50, 100, 5, 5, 0)), 0, 64, "cpu", 100)[2]  # empty k range: no tile
     # dK/dV tiles: under inv_causal (row r sees keys >= r) the last keys have the most queries
-    meta, layers, _ = tb._tiles(((0, 256, 0, 256, 2),), 2, 64, "cpu", 256)
+    meta, layers, _ = tiles.tile_tables(((0, 256, 0, 256, 2),), 2, 64, "cpu", 256)
     assert layers[0][0][:, 0].tolist() == [192, 128, 64, 0]
 
 
 def test_triton_tiles_merge_slices_of_one_phase():
     """Slices whose ranges start at the same phase of the tile grid share tiles (one layer, one
     online softmax / one dK-dV accumulation over all members); other overlaps need layers."""
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
     # shared prefix: both slices of the document rows [100, 228) start at row 100
     shared = ((0, 100, 0, 100, 1), (100, 228, 0, 100, 0), (100, 200, 100, 200, 1))
-    meta, layers, covered = tb._tiles(shared, 0, 64, "cpu", 228)
+    meta, layers, covered = tiles.tile_tables(shared, 0, 64, "cpu", 228)
     assert len(layers) == 1 and covered
     table, members, _, _ = layers[0]
     rows = {int(t[0]): (int(t[1]), sorted(members[int(t[2]):int(t[2]) + int(t[3])].tolist())) for t in table}
     assert rows[100] == (164, [1, 2]) and rows[164] == (228, [1, 2]) and rows[0] == (64, [0])
     # block-causal keys: every block's k range starts at the document start -> one k layer
     blocks = tuple((b, b + 64, 0, b + 64, 0) for b in range(0, 256, 64))
-    assert len(tb._tiles(blocks, 2, 64, "cpu", 256)[1]) == 1
-    assert len(tb._layers(blocks, 2, 64)) == 1
+    assert len(tiles.tile_tables(blocks, 2, 64, "cpu", 256)[1]) == 1
+    assert len(tiles.slice_layers(blocks, 2, 64)) == 1
     # overlapping ranges of different phase conflict
-    assert len(tb._layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
-    assert len(tb._layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
+    assert len(tiles.slice_layers(((0, 100, 0, 10, 0), (50, 150, 10, 20, 0)), 0, 64)) == 2
+    assert len(tiles.slice_layers(((0, 100, 0, 10, 0), (64, 150, 10, 20, 0)), 0, 64)) == 1
 
 
-def test_triton_dq_mode_selection(monkeypatch):
-    """dQ mode: split off the GPU and under torch's deterministic mode; a bad override names
-    the variable and the choices."""
-    from magi_kernels import triton_backend as tb
+def test_triton_dq_mode_selection():
+    """dQ mode: split off the GPU (and under torch's deterministic mode); the config's choice
+    otherwise."""
+    from magi_kernels import KernelConfig, plan_attention
 
-    x = torch.zeros(1)
-    monkeypatch.delenv("MAGI_TRITON_DQ", raising=False)
-    assert tb._dq_mode(x) == "split"
-    monkeypatch.setenv("MAGI_TRITON_DQ", "atomic")
-    assert tb._dq_mode(x) == "atomic"
-    monkeypatch.setenv("MAGI_TRITON_DQ", "fast")
-    with pytest.raises(ValueError, match="MAGI_TRITON_DQ must be one of"):
-        tb._dq_mode(x)
+    def mode(config):
+        return plan_attention([(0, 8)], [(0, 8)], None, 8, 8, 1, 64, torch.float32, config, "cpu").backward.dq_mode
+
+    assert mode(KernelConfig()) == "split"
+    assert mode(KernelConfig(dq_mode="atomic")) == "atomic"
 
 
-def test_triton_head_dims_and_tile_overrides(monkeypatch):
+def test_triton_head_dims():
     """Head dims the Triton backend runs (compiled ones as they are, other multiples of 8 up to
-    256 zero-padded to the next one, the rest refused), and a bad tile override names the
-    variable and its fields."""
+    256 zero-padded to the next one, the rest refused)."""
     from magi_kernels import triton_backend as tb
 
     assert [tb.kernel_head_dim(d) for d in (8, 40, 64, 80, 96, 128, 160, 192, 256)] == [
@@ -268,21 +264,6 @@ def test_triton_head_dims_and_tile_overrides(monkeypatch):
     q = torch.randn(5, 2, 40)
     assert all(p.shape[-1] == 64 and torch.equal(p[..., :40], q) and not p[..., 40:].any()
                for p in tb._pad_head_dim(q, q))
-    monkeypatch.setenv("MAGI_TRITON_BWD_CFG", "64,128,eight,3")
-    with pytest.raises(ValueError, match="MAGI_TRITON_BWD_CFG must be 'BM,BN,num_warps,num_stages'"):
-        tb._bwd_config(128)
-
-
-@pytest.mark.parametrize("var", ["MAGI_TRITON_TMA", "MAGI_GLUON_FWD"])
-def test_forward_switches_reject_bad_values(var, monkeypatch):
-    """A mistyped three-way kernel switch (unset: the backend decides) is an error naming it,
-    not a silent fall-back to one of its values."""
-    from magi_kernels import triton_backend as tb
-
-    monkeypatch.setenv(var, "yes")
-    q = torch.randn(8, 2, 64)
-    with pytest.raises(ValueError, match=f"{var} must be one of 'auto', '0', '1'"):
-        tb._use_tma(q) if var == "MAGI_TRITON_TMA" else tb._use_gluon(q, q, q)
 
 
 OVERLAPPING = ([(0, 8), (4, 8)], [(0, 8), (2, 4)], [1, 0])  # rows 4..7 see keys 2, 3 twice
@@ -446,11 +427,11 @@ def test_sink_and_value_head_dim_errors():
 def test_removed_kernel_switches_warn_and_are_read_nowhere():
     """The switches of removed kernel variants (issue 41): setting one gives one warning that
     names it (it changes nothing any more), none set gives none, and no source file of the
-    packages reads it (only ``env_config`` lists it)."""
+    packages reads it (only ``kernel_config`` lists it)."""
     import pathlib
     import warnings
 
-    from magi_kernels.env_config import REMOVED_SWITCHES, warn_removed_switches
+    from magi_kernels.kernel_config import REMOVED_SWITCHES, warn_removed_switches
 
     with pytest.warns(UserWarning, match="MAGI_GLUON_FWD_PERSIST .*persistent.*MAGI_TRITON_BWD_FUSE") as caught:
         found = warn_removed_switches({"MAGI_GLUON_FWD_PERSIST": "0", "MAGI_TRITON_BWD_FUSE": "0", "MAGI_LOG_LEVEL": "x",
@@ -460,6 +441,6 @@ def test_removed_kernel_switches_warn_and_are_read_nowhere():
         warnings.simplefilter("error")
         assert warn_removed_switches({"MAGI_GLUON_BWD_PIECES": "0", "MAGI_GLUON_FWD_ORDER": ""}) == []
     root = pathlib.Path(__file__).parents[1] / "packages"
-    readers = {(path.name, var) for path in root.glob("*/src/**/*.py") if path.name != "env_config.py"
+    readers = {(path.name, var) for path in root.glob("*/src/**/*.py") if path.name != "kernel_config.py"
                for var in REMOVED_SWITCHES if f'"{var}"' in path.read_text()}
     assert not readers, f"removed switches still read: {sorted(readers)}"

@@ -39,9 +39,9 @@ def test_range_gather_cuda(dtype):
 
 
 def test_kernel_tile_tables_match_python():
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import tiles
 
-    if tb._native is None:
+    if tiles._native is None:
         pytest.skip("magi_kernels native extension not built")
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -49,8 +49,8 @@ def test_kernel_tile_tables_match_python():
         slices = tuple((min(a, b), max(a, b), min(c, d), max(c, d), int(t))
                        for (a, b, c, d), t in zip(raw.tolist(), torch.randint(0, 4, (15,), generator=g).tolist()))
         for axis, block in ((0, 64), (2, 128), (0, 7)):
-            nat = tb._native.tiles(list(slices), axis, block)
-            ref = tb._layers(slices, axis, block)
+            nat = tiles._native.tiles(list(slices), axis, block)
+            ref = tiles.slice_layers(slices, axis, block)
             assert len(nat) == len(ref)
             for (sid, start, n), layer in zip(nat, ref):
                 want = [(i, b) for i in layer for b in range(slices[i][axis], slices[i][axis + 1], block)]

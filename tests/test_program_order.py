@@ -205,11 +205,10 @@ def test_list_queues_replay_the_list_schedule(seed):
 
 
 def test_persistent_forward_queue_table():
-    """``gluon_fwd._queue_table``: programs + 1 offsets, then every (tile, head) item of the
+    """``plan.fwd_queue_table``: programs + 1 offsets, then every (tile, head) item of the
     KV-major order once, each program's items in order; no more programs than SMs or items."""
-    import torch
 
-    from magi_kernels import gluon_fwd as gf
+    from magi_kernels import plan as gf
 
     work = (1000, 700, 300, 129, 0)  # visible keys per tile, descending (the tile tables' order)
     hq, group = 6, 3
@@ -219,7 +218,7 @@ def test_persistent_forward_queue_table():
     assert tiles[: len(work) * group] == [t for t in range(len(work)) for _ in range(group)]
     assert tiles[len(work) * group:] == tiles[: len(work) * group]
     for n_sms in (1, 4, 132):
-        table, programs = gf._queue_table(work, hq, group, 128, n_sms, torch.device("cpu"))
+        table, programs = gf.fwd_queue_table(work, hq, group, 128, n_sms, "cpu")
         table = table.tolist()
         assert programs == min(n_sms, len(work) * hq)
         offsets, items = table[: programs + 1], table[programs + 1:]
@@ -230,21 +229,20 @@ def test_persistent_forward_queue_table():
 
 
 def test_backward_launch_table_of_pieces_is_head_major_at_8k_causal():
-    """``gluon_bwd._order_table`` with ``MAGI_GLUON_BWD_PIECES=1`` at 8k causal: the pieces run
+    """``plan.bwd_order_table`` with ``bwd_piece_heads=1`` at 8k causal: the pieces run
     KV head 0's tiles over query head 0 first (longest tile first), every piece one head wide,
     and the table says the launch has pieces (atomic dK/dV); whole programs run tile-major."""
-    import torch
 
-    from magi_kernels import gluon_bwd
+    from magi_kernels import plan as gluon_bwd
 
     work = tuple(8192 - 128 * j for j in range(64))
-    table, partial, heads_per_piece = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, 1,
-                                                             torch.device("cpu"), 1.0)
+    table, partial, heads_per_piece = gluon_bwd.bwd_order_table(work, 8, 132, "auto", 64, 6, True, 1,
+                                                             "cpu", 1.0)
     prog, heads = table[:, 0].tolist(), table[:, 1].tolist()
     assert partial and heads_per_piece == 1 and len(prog) == 64 * 8 * 6
     assert prog[:64] == list(range(64)) and all(h == (0 | 1 << 16) for h in heads[:64])
     assert prog[64:128] == list(range(64)) and all(h == (1 | 2 << 16) for h in heads[64:128])
-    whole, partial_whole, _ = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, False, 0, torch.device("cpu"), 1.0)
+    whole, partial_whole, _ = gluon_bwd.bwd_order_table(work, 8, 132, "auto", 64, 6, False, 0, "cpu", 1.0)
     assert not partial_whole and whole[:8, 0].tolist() == [h * 64 for h in range(8)]  # tile-major
 
 
@@ -253,10 +251,9 @@ def test_auto_pieces_split_staircase_launches_of_unequal_tiles():
     group split in its smallest factor; unequal tiles of full slices (packed documents), equal
     tiles (full, sliding window), MHA and a single tile stay whole programs; the backend's
     staircase share counts causal / inv_causal area; ``_order_table("auto")`` follows it."""
-    import torch
 
-    from magi_kernels import gluon_bwd
-    from magi_kernels import triton_backend as tb
+    from magi_kernels import plan as gluon_bwd
+    from magi_kernels import tiles as tb
 
     causal = po.tile_costs([8192 - 128 * j for j in range(64)], 64)
     window = po.tile_costs([1088] * 60 + [1024, 768, 512, 256], 64)
@@ -269,11 +266,11 @@ def test_auto_pieces_split_staircase_launches_of_unequal_tiles():
     assert tb.staircase_share(((0, 100, 0, 100, 2), (0, 100, 0, 100, 3))) == pytest.approx(5050 / 5150)
     assert tb.staircase_share(()) == 0.0
     work = tuple(8192 - 128 * j for j in range(64))
-    cpu = torch.device("cpu")
-    table, partial, heads = gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, "auto", cpu, 1.0)
+    cpu = "cpu"
+    table, partial, heads = gluon_bwd.bwd_order_table(work, 8, 132, "auto", 64, 6, True, "auto", cpu, 1.0)
     assert heads == 3 and partial and len(table) == 64 * 8 * 2
     assert set(table[:64, 1].tolist()) == {0 | 3 << 16}  # KV head 0's tiles over heads [0, 3) first
-    assert gluon_bwd._order_table(work, 8, 132, "auto", 64, 6, True, "auto", cpu, 0.0)[2] == 0
-    assert gluon_bwd._order_table((8192,) * 64, 8, 132, "auto", 64, 6, True, "auto", cpu, 1.0)[2] == 0
-    _, partial_mha, heads_mha = gluon_bwd._order_table(work, 8, 132, "auto", 64, 1, True, "auto", cpu, 1.0)
+    assert gluon_bwd.bwd_order_table(work, 8, 132, "auto", 64, 6, True, "auto", cpu, 0.0)[2] == 0
+    assert gluon_bwd.bwd_order_table((8192,) * 64, 8, 132, "auto", 64, 6, True, "auto", cpu, 1.0)[2] == 0
+    _, partial_mha, heads_mha = gluon_bwd.bwd_order_table(work, 8, 132, "auto", 64, 1, True, "auto", cpu, 1.0)
     assert heads_mha == 0 and not partial_mha

@@ -11,9 +11,6 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
-os.environ.setdefault("MAGI_TRITON_FWD_CFG", "32,16,4,1")
-os.environ.setdefault("MAGI_TRITON_BWD_CFG", "16,32,4,1")
-os.environ.setdefault("MAGI_TRITON_DQ_CFG", "32,16,4,1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -37,8 +34,9 @@ from cases import mask_cases  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from magi_kernels import KernelConfig  # noqa: E402
 from magi_kernels import triton_backend as tb  # noqa: E402
-from magi_kernels.epilogue_jit import key_row_bounds, row_bounds  # noqa: E402
+from magi_kernels.slice_bounds_jit import key_row_bounds, row_bounds  # noqa: E402
 from magi_kernels.testing import dense_attention, dense_mask  # noqa: E402
 
 CASES = {
@@ -105,14 +103,14 @@ def main() -> int:
     worst = 0.0
     for name, (slices, S) in CASES.items():
         for hq, hk, d, cap, tma, dq_mode in SHAPES:
-            os.environ["MAGI_TRITON_TMA"] = tma
-            os.environ["MAGI_TRITON_DQ"] = dq_mode
+            config = KernelConfig(triton_fwd_tiles=(32, 16, 4, 1), triton_dkdv_tiles=(16, 32, 4, 1),
+                                  triton_dq_tiles=(32, 16, 4, 1), triton_tma=tma == "1", dq_mode=dq_mode)
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(S, h, d, generator=g) for h in (hq, hk, hk))
             qr = torch.tensor([s[:2] for s in slices], dtype=torch.int32)
             kr = torch.tensor([s[2:4] for s in slices], dtype=torch.int32)
             tm = torch.tensor([s[4] for s in slices], dtype=torch.int32)
-            out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, cap, True)
+            out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, cap, True, config)
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             ro, rl = dense_attention(q64, k64, v64, dense_mask(slices, S, S), softcap=cap)
             go = torch.randn(ro.shape, generator=g, dtype=torch.float64)
@@ -120,7 +118,7 @@ def main() -> int:
             fin = torch.isfinite(rl)
             ((ro * go).sum() + torch.where(fin, rl * gl, 0).sum()).backward()
             dq, dk, dv = tb.ffa_backward(go.float(), q, k, v, out, lse, torch.where(fin, gl, 0).float(),
-                                         qr, kr, tm, d ** -0.5, cap)
+                                         qr, kr, tm, d ** -0.5, cap, config)
             if not torch.equal(torch.isfinite(lse), fin):
                 print(f"FAIL {name} {hq}/{hk}/{d}: rows without keys differ")
                 return 1
@@ -136,8 +134,47 @@ def main() -> int:
             if max(errs.values()) > 1e-4:  # fp32 inputs, fp32 accumulation: ~1e-6 expected
                 print(f"FAIL {name}: {errs}")
                 return 1
+    if not check_held_plan():
+        return 1
     print(f"OK worst abs error {worst:.2e}")
     return 0
+
+
+def check_held_plan() -> bool:
+    """A plan built once (``plan_attention``) and launched by several calls gives the bits of the
+    memoised plan's launches; a plan of other slices is refused before any launch."""
+    from magi_kernels import plan_attention
+
+    slices, S = CASES["merged_tiles"]
+    config = KernelConfig(triton_fwd_tiles=(32, 16, 4, 1), triton_dkdv_tiles=(16, 32, 4, 1),
+                          triton_dq_tiles=(32, 16, 4, 1))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(S, h, 64, generator=g) for h in (4, 2, 2))
+    ranges = [torch.tensor([s[i:j] for s in slices], dtype=torch.int32).squeeze(-1) for i, j in ((0, 2), (2, 4), (4, 5))]
+    plan = plan_attention(*ranges, S, S, (4, 2), 64, torch.float32, config, "cpu")
+    print(plan)
+    go = torch.randn(S, 4, 64, generator=g)
+    runs = []
+    for p in (plan, plan, None):
+        out, lse = tb.ffa_forward(q, k, v, *ranges, 0.125, 0.0, True, config, p)
+        grads = tb.ffa_backward(go, q, k, v, out, lse, torch.zeros_like(lse), *ranges, 0.125, 0.0, config, p)
+        runs.append((out, lse, *grads))
+    if not all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run)):
+        print("FAIL a held plan's launches differ from the memoised plan's")
+        return False
+    other = [r.clone() for r in ranges]
+    other[2][0] = 0  # slice 0 full instead of causal
+    try:
+        tb.ffa_forward(q, k, v, *other, 0.125, 0.0, True, config, plan)
+    except ValueError as e:
+        if "plan= was built for other inputs: mask slices" not in str(e):
+            print(f"FAIL wrong error for a plan of other slices: {e}")
+            return False
+    else:
+        print("FAIL a plan of other slices was launched")
+        return False
+    print("held plan: reused launches identical, a plan of other slices refused")
+    return True
 
 
 if __name__ == "__main__":

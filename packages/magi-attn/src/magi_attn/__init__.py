@@ -20,7 +20,7 @@ Another mask over the same dispatched tokens (e.g. a sliding-window layer)::
 import logging
 import os
 
-from magi_kernels import flex_flash_attn_func
+from magi_kernels import KernelConfig, flex_flash_attn_func
 from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig, compute_pad_size
 
 from .api import (
@@ -60,7 +60,7 @@ if _level:
 
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "BatchPacking", "batch_packing", "CrossAttnKey", "DispatchConfig",
-    "DistAttnConfig", "DistAttnKey", "dispatch_kv", "get_kv_position_ids", "infer_varlen_mask_from_batch",
+    "DistAttnConfig", "DistAttnKey", "KernelConfig", "dispatch_kv", "get_kv_position_ids", "infer_varlen_mask_from_batch",
     "magi_attn_cross_key", "magi_attn_varlen_cross_key", "squash_batch", "squash_batch_dim", "undispatch_kv",
     "unsquash_batch",
     "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",

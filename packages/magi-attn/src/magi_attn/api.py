@@ -12,8 +12,17 @@ import torch
 import torch.distributed as dist
 
 from magi_comm import all_gather_rows, clear_shared_collectives
-from magi_kernels import apply_sink, check_sink, common_head_dim, on_device, pad_head_dim, resolve_backend
-from magi_kernels.validation import check_qkv, check_scale_softcap
+from magi_kernels import (
+    apply_sink,
+    check_qkv,
+    check_scale_softcap,
+    check_sink,
+    clear_caches,
+    common_head_dim,
+    on_device,
+    pad_head_dim,
+    resolve_backend,
+)
 from magi_solver import KV_PLACEMENTS, AttnMaskType, AttnRange, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
 
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
@@ -117,6 +126,7 @@ def clear_cache() -> None:
     _RUNTIMES.clear()
     _MOST_RECENT.clear()
     clear_shared_collectives()
+    clear_caches()  # the kernels' plans and tables
 
 
 atexit.register(clear_cache)

@@ -183,12 +183,13 @@ def cmd_env(args: argparse.Namespace) -> int:
     import magi_solver
 
     from . import __version__
-    from magi_kernels.interface import _triton_module
 
     info = {
         "magi_attn": __version__, "magi_solver": magi_solver.__version__, "magi_kernels": magi_kernels.__version__,
         "magi_comm": magi_comm.__version__, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-        "triton_backend": _triton_module() is not None,
+        "triton_backend": magi_kernels.triton_available(),
+        # the kernels' process default: the measured settings and any MAGI_TRITON_* / MAGI_GLUON_* override
+        "kernel_config": magi_kernels.default_kernel_config().describe(),
         # what magi-comm's native extension was built with, and whether it runs on this GPU
         "comm_native": magi_comm.native_build_info(),
     }

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from magi_comm import COLLECTIVE_KINDS, DEFAULT_TIMEOUT_S
-from magi_kernels import BACKENDS
+from magi_kernels import BACKENDS, KernelConfig, default_kernel_config
 from magi_solver import DispatchConfig, OverlapConfig
 
-__all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "OverlapConfig"]
+__all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "KernelConfig", "OverlapConfig"]
 
 COMM_BACKENDS = COLLECTIVE_KINDS  # the transports magi_comm.make_group_collective builds
 
@@ -21,6 +21,10 @@ class DistAttnConfig:
         dispatch: chunking and load balancing (:class:`magi_solver.DispatchConfig`).
         overlap: multi-stage overlap of GroupCast with attention (:class:`magi_solver.OverlapConfig`).
         kernel_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``magi_kernels``).
+        kernel: the GPU kernels' tiles and pipeline choices (:class:`magi_kernels.KernelConfig`);
+            defaults to ``magi_kernels.default_kernel_config()`` (the measured defaults, or the
+            ``MAGI_TRITON_*`` / ``MAGI_GLUON_*`` developer overrides, read once). Part of the
+            plan the ranks check for agreement.
         comm_backend: ``"a2a"`` (torch.distributed all_to_all_single: gloo or NCCL, any
             topology), ``"ipc"`` (CUDA IPC peer writes inside one host; needs the native
             extension built with CUDA) or ``"hier"`` (node-aware two hops: each KV row crosses
@@ -45,20 +49,36 @@ class DistAttnConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kernel_backend: str = "auto"
+    kernel: KernelConfig = field(default_factory=default_kernel_config)
     comm_backend: str = "a2a"
     ranks_per_node: int | None = None
     comm_timeout_s: float | None = DEFAULT_TIMEOUT_S
     deterministic: bool = False
 
+    @property
+    def kernel_config(self) -> KernelConfig:
+        """The kernel config the kernels run with: ``kernel``, with the deterministic backward
+        (the Triton backward, dQ in programs of its own) when ``deterministic``."""
+        if not self.deterministic:
+            return self.kernel
+        return replace(self.kernel, gluon_bwd=False, dq_mode="split")
+
     def __post_init__(self) -> None:
         if not isinstance(self.deterministic, bool):
             raise TypeError(f"DistAttnConfig.deterministic must be a bool, got {self.deterministic!r}")
+        if self.deterministic and isinstance(self.kernel, KernelConfig) and (
+                self.kernel.gluon_bwd is True or self.kernel.dq_mode not in ("auto", "split")):
+            raise ValueError("DistAttnConfig.deterministic=True needs the deterministic backward, but kernel asks for "
+                             f"gluon_bwd={self.kernel.gluon_bwd!r}, dq_mode={self.kernel.dq_mode!r} (fp32 atomics); "
+                             "leave those at their defaults or turn deterministic off")
         if not isinstance(self.dispatch, DispatchConfig):
             raise TypeError(f"DistAttnConfig.dispatch must be a DispatchConfig, got {type(self.dispatch).__name__}")
         if not isinstance(self.overlap, OverlapConfig):
             raise TypeError(f"DistAttnConfig.overlap must be an OverlapConfig, got {type(self.overlap).__name__}")
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"DistAttnConfig.kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}")
+        if not isinstance(self.kernel, KernelConfig):
+            raise TypeError(f"DistAttnConfig.kernel must be a magi_kernels.KernelConfig, got {type(self.kernel).__name__}")
         if self.comm_backend not in COMM_BACKENDS:
             raise ValueError(f"DistAttnConfig.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):

@@ -16,13 +16,22 @@ from magi_kernels import merge_out_lse, run_backward, run_forward
 from .runtime import DistAttnRuntime, SliceArgs
 
 
-def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend):
-    return run_forward(q, k, v, args.q_ranges, args.k_ranges, args.attn_type_map, scale, softcap, backend, True)
+def _plan(q, k, args: SliceArgs, backend: str, rt: DistAttnRuntime):
+    """The stage's kernel plan, held by its slice arguments (the key's runtime): the GPU backend's
+    (a ``torch.compile`` graph re-plans inside the kernel op instead)."""
+    if backend != "triton" or torch.compiler.is_compiling():
+        return None
+    return args.plan(q, k, rt.config.kernel_config)
 
 
-def _bwd(do, q, k, v, out, lse, dlse, args: SliceArgs, scale, softcap, backend):
+def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime):
+    return run_forward(q, k, v, args.q_ranges, args.k_ranges, args.attn_type_map, scale, softcap, backend, True,
+                       rt.config.kernel_config, _plan(q, k, args, backend, rt))
+
+
+def _bwd(do, q, k, v, out, lse, dlse, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime):
     return run_backward(do, q, k, v, out, lse, dlse, args.q_ranges, args.k_ranges, args.attn_type_map,
-                        scale, softcap, backend)
+                        scale, softcap, backend, rt.config.kernel_config, _plan(q, k, args, backend, rt))
 
 
 def _split_kv(kv: torch.Tensor, hk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,16 +48,16 @@ class DistAttnFunction(torch.autograd.Function):
         if rt.no_overlap and n:
             remote = [rt.comm.cast(kv, s).wait() for s in range(n)]
             kv_all = torch.cat([kv, *remote], dim=0)
-            out, lse = _fwd(q, *_split_kv(kv_all, hk), merged, scale, softcap, backend)
+            out, lse = _fwd(q, *_split_kv(kv_all, hk), merged, scale, softcap, backend, rt)
         else:
             pending = rt.comm.cast(kv, 0) if n else None
-            out, lse = _fwd(q, k, v, host, scale, softcap, backend)
+            out, lse = _fwd(q, k, v, host, scale, softcap, backend, rt)
             for s in range(n):
                 remote = pending.wait()
                 pending = rt.comm.cast(kv, s + 1) if s + 1 < n else None
                 if stages[s].empty:
                     continue
-                o_s, l_s = _fwd(q, *_split_kv(remote, hk), stages[s], scale, softcap, backend)
+                o_s, l_s = _fwd(q, *_split_kv(remote, hk), stages[s], scale, softcap, backend, rt)
                 out, lse = merge_out_lse(out, lse, o_s, l_s)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -69,7 +78,8 @@ class DistAttnFunction(torch.autograd.Function):
         if rt.no_overlap and n:
             remote = [rt.comm.cast(kv, s).wait() for s in range(n)]
             kv_all = torch.cat([kv, *remote], dim=0)
-            dq, dk_all, dv_all = _bwd(dout, q, *_split_kv(kv_all, hk), out, lse, dlse, merged, scale, softcap, backend)
+            dq, dk_all, dv_all = _bwd(dout, q, *_split_kv(kv_all, hk), out, lse, dlse, merged, scale, softcap, backend,
+                                      rt)
             dkv_all = torch.cat([dk_all, dv_all], dim=1)
             dkv = dkv_all[: kv.shape[0]].clone()
             offset = kv.shape[0]
@@ -78,7 +88,7 @@ class DistAttnFunction(torch.autograd.Function):
                 offset += r.shape[0]
         else:
             pending = rt.comm.cast(kv, 0) if n else None
-            dq, dk, dv = _bwd(dout, q, k, v, out, lse, dlse, host, scale, softcap, backend)
+            dq, dk, dv = _bwd(dout, q, k, v, out, lse, dlse, host, scale, softcap, backend, rt)
             dkv = torch.cat([dk, dv], dim=1)
             reduces = []
             for s in range(n):
@@ -88,7 +98,7 @@ class DistAttnFunction(torch.autograd.Function):
                     part = remote.new_zeros(remote.shape, dtype=dkv.dtype)
                 else:
                     dq_s, dk_s, dv_s = _bwd(dout, q, *_split_kv(remote, hk), out, lse, dlse, stages[s],
-                                            scale, softcap, backend)
+                                            scale, softcap, backend, rt)
                     dq = dq + dq_s
                     part = torch.cat([dk_s, dv_s], dim=1)
                 reduces.append(rt.comm.reduce(part, dkv, s))  # overlaps the next stage

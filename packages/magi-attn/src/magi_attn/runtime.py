@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from magi_comm import GroupCollective, make_group_collective
+from magi_kernels import AttentionPlan, KernelConfig, plan_attention
 from magi_solver import DistAttnPlan, GroupCastPlan
 
 from .config import DistAttnConfig
@@ -18,12 +19,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SliceArgs:
-    """Kernel slice metadata (CPU int32 tensors)."""
+    """Kernel slice metadata (CPU int32 tensors) and the kernel plans of this stage, one per
+    (shapes, dtype, device, kernel config) it ran with (``magi_kernels.plan_attention``)."""
 
     q_ranges: torch.Tensor
     k_ranges: torch.Tensor
     attn_type_map: torch.Tensor
     area: int
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, slices, area: int) -> "SliceArgs":
@@ -33,6 +36,16 @@ class SliceArgs:
     @property
     def empty(self) -> bool:
         return self.q_ranges.shape[0] == 0
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, config: KernelConfig) -> AttentionPlan:
+        """The kernel plan of this stage for q and k (its remote K) like these, built once."""
+        key = (q.shape, k.shape, q.dtype, q.device, config, torch.are_deterministic_algorithms_enabled())
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = plan_attention(self.q_ranges, self.k_ranges, self.attn_type_map, q.shape[0],
+                                                    k.shape[0], (q.shape[1], k.shape[1]), q.shape[-1], q.dtype,
+                                                    config, q.device)
+        return plan
 
 
 class DistAttnRuntime:

@@ -1,20 +1,20 @@
 """Warp-specialised Hopper backward (Gluon): dK, dV and dQ in one pass, 5 matmuls per block.
 
 One program per (key tile of BN=128 keys, KV head), on the Triton backend's key-tile tables
-(members, layers), launched in the order ``program_order`` picks (``MAGI_GLUON_BWD_ORDER``):
+(members, layers), launched in the order ``program_order`` picks (``KernelConfig.bwd_order``):
 mostly the key tiles of one KV head after another, so the resident programs share one query
 head's Q/dO/dQ in L2, with the last heads tile-major where that shortens the tail. It
 loops over the tile's member slices, the GQA group's query heads and the query blocks (BM=64
 rows) that see its keys, starting at the tile's diagonal block and wrapping
-(``MAGI_GLUON_BWD_ROTATE``), so that key tiles which see the same rows do not all reduce into
+(``KernelConfig.bwd_rotate``), so that key tiles which see the same rows do not all reduce into
 the same dQ rows at once. The last programs of a launch may run as pieces over a subset of
-the GQA group's query heads (``program_order.split_tail``, ``MAGI_GLUON_BWD_SPLIT``), so that a
+the GQA group's query heads (``program_order.split_tail``, ``KernelConfig.bwd_split_tail``), so that a
 part-empty last wave is spread over every SM; a piece adds its dK/dV with fp32 atomics. Where
 the key tiles of causal slices differ in length (causal, packed causal documents), every
 program runs as pieces over a chunk of the GQA group instead, each KV head's tiles over one
 chunk before the next, so that the resident pieces stay on one chunk's rows in L2; their dK/dV
-go out as TMA reduce-adds (``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.06-1.38
-on causal). The program forks into:
+go out as TMA reduce-adds (``KernelConfig.bwd_piece_heads``, ``bwd_piece_add``; x1.06-1.38
+on causal, v19). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
@@ -22,7 +22,7 @@ on causal). The program forks into:
 * two consumer warpgroups (240 registers), each owning 64 of the tile's keys. The scores are
   key-major: S^T = K Q^T and dP^T = V dO^T (issued together), so P^T and dS^T are already the
   register A operands of dV += P^T dO and dK += dS^T Q (FA3's layout for d=128; +4-10 % over
-  the query-major S = Q K^T). The two warpgroups' dS halves make the
+  the query-major S = Q K^T of v9-v11, v12 notes). The two warpgroups' dS halves make the
   block's dS (double-buffered, one mbarrier per buffer, ``_consumer``); each warpgroup then
   computes half of dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global
   memory with a TMA bulk reduce-add, which runs while the next block is computed.
@@ -38,26 +38,17 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from . import program_order
-from .env_config import env_choice, env_config
-from .host_cache import upload
-from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
+from .gluon_common import MAX_REGS, REDUCE_ADD_AVAILABLE
+from .kernel_config import TUNED_GLUON_BWD, GluonBwdTiles
+from .tiles import TileLayer
+
+AVAILABLE = REDUCE_ADD_AVAILABLE  # the kernel needs Gluon and the TMA reduce-add
 
 if AVAILABLE:
-    try:  # Triton internals for the TMA reduce-add (no public Gluon wrapper in 3.6)
-        from triton._C.libtriton import ir
-        from triton.experimental.gluon.language._core import builtin
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    except ImportError:
-        AVAILABLE = False
-
-if AVAILABLE:
-    from .epilogue_jit import key_row_bounds, key_tile_rows, walk_start, walk_step
+    from .bwd_walk_jit import walk_start, walk_step
+    from .slice_bounds_jit import key_row_bounds, key_tile_rows
     from .gluon_common import (
         CONSUMER_REGS,
         LOADER_REGS,
@@ -72,140 +63,16 @@ if AVAILABLE:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from .gluon_common import TensorDescriptor
+    from .gluon_common import tma_reduce_add as _reduce_add
 
-# (BM, BN, STAGES) per head dim: BM query rows per step, BN keys per program (two warpgroups of
-# BN/2), STAGES-deep Q/dO ring (3: +3-5 % over 2 at 8k-32k; 231424 of the 232448
-# bytes of shared memory)
-CONFIGS = {128: (64, 128, 3)}
-DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
-__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "key_tile_size", "launch", "supported"]
-
-
-def _config(d: int) -> tuple[int, int, int]:
-    """``MAGI_GLUON_BWD_CFG=BM,BN,STAGES`` overrides the tuned config (tuning runs; a config
-    that needs more shared memory than the GPU has fails at launch with Triton's
-    "out of resource: shared memory")."""
-    return env_config("MAGI_GLUON_BWD_CFG", CONFIGS[d], "BM,BN,STAGES")  # type: ignore[return-value]
-
-
-def _rotate() -> bool:
-    """``MAGI_GLUON_BWD_ROTATE=0/1`` (default 1): whether each key tile starts at its diagonal
-    query block (see ``epilogue_jit.walk_start``; +4.5 % at 16k full, within 1 %
-    elsewhere)."""
-    return env_choice("MAGI_GLUON_BWD_ROTATE", "1", ("0", "1")) == "1"
-
-
-def _split() -> bool:
-    """``MAGI_GLUON_BWD_SPLIT=1/0`` (default 1): whether the launch's last programs may run as
-    pieces of fewer GQA query heads, their dK/dV added with fp32 atomics
-    (``program_order.split_tail``: the part-empty last wave of equal programs)."""
-    return env_choice("MAGI_GLUON_BWD_SPLIT", "1", ("0", "1")) == "1"
-
-
-def _pieces() -> int | str:
-    """``MAGI_GLUON_BWD_PIECES=auto/0/s`` (default auto): 0 runs whole programs (but for
-    ``_split``'s tail); s runs every program as pieces of s query heads, each KV head's tiles
-    over one chunk of s heads before the next (``program_order.head_chunk_pieces``; dK/dV added
-    into zeroed fp32 buffers). The launch order's band is then counted in (KV head, chunk)
-    pieces: ``MAGI_GLUON_BWD_ORDER=2`` runs the last two chunks tile-major, ``auto`` chooses on
-    the pieces' costs. ``auto``: pieces where the key tiles of causal slices differ in length
-    (causal, packed causal documents), whole programs elsewhere
-    (``program_order.auto_piece_heads``)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_PIECES", "auto")
-    if raw == "auto":
-        return raw
-    if not raw.isdigit():
-        raise ValueError(f"MAGI_GLUON_BWD_PIECES must be 'auto', 0 or a divisor of the GQA group size, got {raw!r}")
-    return int(raw)
-
-
-def _piece_add() -> str:
-    """``MAGI_GLUON_BWD_PIECE_ADD=auto/atomic/tma`` (default auto): how a piece adds its dK/dV,
-    per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
-    dQ buffer (needs BN = 2 BM). ``auto``: TMA where every program runs as pieces and the tiles
-    allow it (pieces of 3 heads with TMA adds were the best set on causal and packed
-    causal documents), atomics for a split tail's few pieces."""
-    return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "auto", ("auto", "atomic", "tma"))
-
-
-def _order_mode() -> str | int:
-    """``MAGI_GLUON_BWD_ORDER=auto/head/tile/<band>`` (default auto): the launch order of the
-    (key tile, KV head) programs (``program_order``). ``head``: the key tiles of one KV head,
-    then the next (resident programs share one query head's Q/dO/dQ in L2: +11 % at 16k full,
-    +31 % at 32k full over ``tile``); ``tile``: every
-    head's tile before the next tile, longest first (shortest tail); a number: the last that
-    many heads tile-major; ``auto``: the smallest band of 1, 2, 4, ... heads whose simulated
-    finish is within 5 % of tile-major's (``program_order.choose_band``)."""
-    raw = os.environ.get("MAGI_GLUON_BWD_ORDER", "auto")
-    if raw in ("auto", "head", "tile"):
-        return raw
-    if raw.isdigit() and int(raw) >= 1:
-        return int(raw)
-    raise ValueError(f"MAGI_GLUON_BWD_ORDER must be 'auto', 'head', 'tile' or a positive band size, got {raw!r}")
-
-
-def order_band(costs: list[float], n_heads: int, n_sms: int, mode: str | int) -> int:
-    """How many of the last KV heads run tile-major (1 = head-major) for tiles of ``costs``
-    (``program_order.tile_costs``)."""
-    if mode == "head":
-        return 1
-    if mode == "tile":
-        return n_heads
-    if isinstance(mode, int):
-        return min(mode, n_heads)
-    return program_order.choose_band(costs, n_heads, n_sms)
-
-
-@functools.lru_cache(maxsize=256)
-def _order_table(work: tuple[int, ...], n_heads: int, n_sms: int, mode: str | int, block_rows: int, group: int,
-                 split: bool, piece_heads: int | str, device: torch.device,
-                 staircase_share: float) -> tuple[torch.Tensor, bool, int]:
-    """(the launch's pieces as int32 [n, 2]: program id, g_lo | g_hi << 16; whether some
-    piece covers fewer than ``group`` query heads; the heads per piece of a launch run all as
-    pieces, 0 for whole programs). ``piece_heads="auto"``: ``program_order.auto_piece_heads``
-    on the tile costs and ``staircase_share`` (the causal / inv_causal share of the area)."""
-    costs = program_order.tile_costs(work, block_rows)
-    if piece_heads == "auto":
-        piece_heads = program_order.auto_piece_heads(costs, group, staircase_share)
-    if piece_heads == group:  # one piece per program: whole programs
-        piece_heads = 0
-    if piece_heads:  # the band is chosen over (KV head, query-head chunk) pieces and their costs
-        chunks = group // piece_heads
-        piece_costs = [program_order.piece_cost(c, piece_heads, group) for c in costs]
-        band = order_band(piece_costs, n_heads * chunks, n_sms, mode)
-        pieces = program_order.head_chunk_pieces(len(work), n_heads, group, piece_heads, band)
-        partial = True  # (piece_heads < group here: a whole group is whole programs, above)
-    else:
-        band = order_band(costs, n_heads, n_sms, mode)
-        order = program_order.band_order(len(work), n_heads, band)
-        pieces = program_order.split_tail(order, costs, len(work), n_sms, group) if split else [
-            (p, 0, group) for p in order]
-        partial = len(pieces) > len(order)
-    table = [(p, lo | hi << 16) for p, lo, hi in pieces]
-    return upload(torch.tensor(table, dtype=torch.int32), device), partial, piece_heads
-
-
-def key_tile_size(d: int) -> int:
-    """Keys per program (the block of the key-tile tables the launch reads)."""
-    return _config(d)[1]
-
-
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this kernel can run the backward of these inputs (sm90, a tuned head dim,
-    16-byte aligned rows)."""
-    return AVAILABLE and hopper_supported(q, k, v, CONFIGS)
+# (BM, BN, STAGES) per head dim (``kernel_config.GluonBwdTiles``): BM query rows per step, BN keys
+# per program (two warpgroups of BN/2), STAGES-deep Q/dO ring; the head dims this kernel exists for
+CONFIGS = TUNED_GLUON_BWD
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_REGS", "launch"]
 
 
 if AVAILABLE:
-
-    @builtin
-    def _reduce_add(tensor_desc, coord, src, _semantic=None):
-        """TMA bulk reduce-add of shared memory ``src`` into the descriptor's tensor at ``coord``
-        (asynchronous; ``tma.store_wait`` waits for it). Triton 3.6's Gluon builds the op but has
-        no Python wrapper for it."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
 
     @gluon.jit
     def _reduce_add_rows(desc, buf, x, row, col, W: gl.constexpr, DH: gl.constexpr):
@@ -280,7 +147,7 @@ if AVAILABLE:
         ``ds_full`` mbarrier per buffer (both halves stored). No barrier releases a buffer:
         a warpgroup overwrites buffer j % 2 at step j+2, after it has passed step j+1's
         exchange, and the other warpgroup arrives there only after its step-j dQ product, the
-        buffer's last reader (x1.00-1.03 per mask over a release mbarrier on an H100)."""
+        buffer's last reader (x1.00-1.03 per mask over a release mbarrier on an H100, v24)."""
         kv_bar, q_bars, do_bars, empty_bars, ds_full = bars
         W: gl.constexpr = BN // 2
         DH: gl.constexpr = D // 2
@@ -356,10 +223,11 @@ if AVAILABLE:
                     mbarrier.wait(ds_full.index(b), (j // 2) & 1)  # both halves stored
                     dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
                                        is_async=True)  # dQ[:, my half] = dS K
-                    # (issuing dQ before dK and writing it out while dK runs measured slower or even)
+                    # (issuing dQ before dK and writing it out while dK runs measured slower or even:
+                    # v10, v13)
                     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
                     mbarrier.arrive(empty_bars.index(s))
-                    # (fp32 atomics from the registers instead measured 12-28 % slower)
+                    # (fp32 atomics from the registers instead measured 12-28 % slower: v19)
                     tma.store_wait(0)  # the previous block's reduce-add has read my_dq
                     my_dq.store(dq * scale)
                     fence_async_shared()
@@ -453,36 +321,25 @@ if AVAILABLE:
         box = [rows, dq.shape[-1] // 2]
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, shared_layout(*box, dq.dtype))
 
-    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, tiles, members, work, scale, qk_scale, cap_in, cap_out,
-               softcap, accum, staircase_share):
-        """One launch over the key tiles (key-tile tables of block ``key_tile_size(d)``; ``work``:
-        the host copy of their work, which sets the launch order) x KV heads. ``dq`` is an fp32
-        accumulator the launch adds to; ``dk``/``dv`` are written (``accum``: added to).
-        ``staircase_share``: the causal / inv_causal share of the mask's area (whether the
-        launch runs as pieces, ``program_order.auto_piece_heads``)."""
+    def launch(q, k, v, do, dq, dk, dv, lse2, delta, meta, layer: TileLayer, order: tuple[torch.Tensor, bool, int],
+               piece_tma: bool, tiles: GluonBwdTiles, rotate: bool, scale, qk_scale, cap_in, cap_out, softcap, accum):
+        """One launch of a plan's layer (``plan.BackwardPlan``): the key tiles of ``layer`` (tables of
+        block ``tiles.block_n``) x KV heads in the program order ``order`` (pieces table, whether some
+        piece covers part of the GQA group, heads per piece). ``dq`` is an fp32 accumulator the
+        launch adds to; ``dk``/``dv`` are written (``accum``: added to)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages = _config(d)
-        piece_heads = _pieces()
-        if piece_heads != "auto" and piece_heads and (hq // hk) % piece_heads:
-            raise ValueError(f"MAGI_GLUON_BWD_PIECES={piece_heads} must divide the GQA group of {hq // hk} query heads "
-                             "per KV head (or be 0 or 'auto')")
-        order, split, all_pieces = _order_table(work, hk, sm_count(q.device), _order_mode(), BM, hq // hk, _split(),
-                                                piece_heads, q.device, round(staircase_share, 3))
+        BM, BN, stages = tiles
+        table, split, _ = order
         if split and not accum:  # the split tiles' pieces add their dK/dV into zeros
             dk.zero_()
             dv.zero_()
-        add = _piece_add()
-        piece_tma = add == "tma" or (add == "auto" and bool(all_pieces) and BN // 2 == BM)
-        if piece_tma and BN // 2 != BM:
-            raise ValueError(f"MAGI_GLUON_BWD_PIECE_ADD=tma stages a warpgroup's {BN // 2} key rows in the {BM}-row "
-                             f"dQ buffer: it needs BN = 2 BM (MAGI_GLUON_BWD_CFG), got BM={BM}, BN={BN}")
         dq_d = dq_descriptor(dq, BM)
         # (without PIECE_TMA the dK/dV descriptors are not read: dQ's stands in, no host work)
         dk_d, dv_d = (dq_descriptor(dk, BN // 2), dq_descriptor(dv, BN // 2)) if piece_tma else (dq_d, dq_d)
-        _bwd_ws_kernel[(len(order),)](
+        _bwd_ws_kernel[(len(table),)](
             descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), descriptor(do, BM), dq_d, dk_d, dv_d, dk, dv,
-            lse2, delta, meta, tiles, members, order, len(work), q.shape[0], hq, scale, qk_scale, cap_in, cap_out,
-            GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            ROTATE=_rotate(), PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
+            lse2, delta, meta, layer.tiles, layer.members, table, layer.n, q.shape[0], hq, scale, qk_scale, cap_in,
+            cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
+            ROTATE=rotate, PIECE_TMA=piece_tma, num_warps=4, maxnreg=MAX_REGS,
         )

@@ -1,13 +1,13 @@
 """What the warp-specialised Hopper kernels (``gluon_fwd``, ``gluon_bwd``) share: the Gluon
-imports, the register split between the loader warp and the consumer warpgroups, the
-support check, the slice loader and the TMA descriptor.
+imports, the register split between the loader warp and the consumer warpgroups, the SM
+count, the slice loader, the TMA descriptor and the TMA reduce-add (the one piece built on
+Triton internals).
 
 Importable without a GPU; ``AVAILABLE`` says whether Gluon is present."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
 
 import torch
 
@@ -27,6 +27,16 @@ try:
 except ImportError:  # no Triton, or a Triton without Gluon
     AVAILABLE = False
 
+REDUCE_ADD_AVAILABLE = False
+if AVAILABLE:
+    try:  # Triton internals for the TMA reduce-add (no public Gluon wrapper in 3.6)
+        from triton._C.libtriton import ir
+        from triton.experimental.gluon.language._core import builtin
+
+        REDUCE_ADD_AVAILABLE = True
+    except ImportError:
+        pass
+
 MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers get 240
 
 
@@ -34,16 +44,6 @@ MAX_REGS = 168  # 168 x 384 threads: the loader's warpgroup at 24, the consumers
 def sm_count(device: torch.device) -> int:
     """The device's SMs (the list-schedule models of the launch orders run one program per SM)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def hopper_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Collection[int]) -> bool:
-    """Whether a Gluon kernel tuned for ``head_dims`` can run on these inputs: Gluon present,
-    an sm90 GPU, bf16/fp16 and 16-byte aligned rows (TMA)."""
-    if not AVAILABLE or q.device.type != "cuda" or q.shape[-1] not in head_dims:
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 and t.dtype in (torch.bfloat16, torch.float16) for t in (q, k, v))
 
 
 if AVAILABLE:
@@ -71,3 +71,15 @@ if AVAILABLE:
         flat = x.view(x.shape[0], -1)
         return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]],
                                 shared_layout(rows, x.shape[-1], x.dtype))
+
+
+if REDUCE_ADD_AVAILABLE:
+
+    @builtin
+    def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """TMA bulk reduce-add of shared memory ``src`` into the descriptor's tensor at ``coord``
+        (asynchronous; ``tma.store_wait`` waits for it). Triton 3.6's Gluon builds the op but has
+        no Python wrapper for it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)

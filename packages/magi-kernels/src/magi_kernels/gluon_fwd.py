@@ -3,13 +3,13 @@
 Persistent: one program per SM runs a queue of (query tile, query head) items, on the same
 tile tables as ``triton_backend`` (so overlapping slices, members and layers work unchanged).
 The items are taken KV-major: the tiles of one KV head's query heads, then the next KV head, so
-the resident programs share one KV head's K/V in L2 (+3-5 % at 16k, +4-7 % at 32k over
-each tile for every head on the H200; on an H100 tile-major lost 2-6 % on full and causal). Each
+the resident programs share one KV head's K/V in L2 (v15: +3-5 % at 16k, +4-7 % at 32k over
+each tile for every head; v22/v24 on an H100: tile-major lost 2-6 % on full and causal). Each
 SM's queue holds the items the list schedule of that order gives it
 (``program_order.list_queues``); the ring position and the ping-pong rounds run on from one
 item to the next, and a ``q_empty`` barrier hands the query buffer back to the loader, which
 loads the next item's query rows and first key blocks while the consumers finish the current
-one (x1.00-1.08 over one program per item on an H100, most on packed documents).
+one (x1.00-1.08 over one program per item on an H100, most on packed documents: v19, v22, v24).
 The program forks into:
 
 * a loader warp (24 registers) that TMA-loads each item's query tile, then every key block of
@@ -19,7 +19,7 @@ The program forks into:
   online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
   j, so the softmax of one block overlaps the tensor cores' work on the other (FA3's intra-
   warpgroup overlap; the softmax sits whole in each branch of the partial-block test, or ptxas
-  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch); with
+  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch, v15); with
   ping-pong the two warpgroups also issue their
   matmuls in alternate rounds, so one's softmax runs while the other's matmuls hold the
   tensor cores.
@@ -34,14 +34,11 @@ Importable without a GPU; ``AVAILABLE`` says whether Gluon is present.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import program_order
-from .env_config import env_config
-from .host_cache import upload
-from .gluon_common import AVAILABLE, MAX_REGS, hopper_supported, sm_count
+from .gluon_common import AVAILABLE, MAX_REGS
+from .kernel_config import TUNED_GLUON_FWD, GluonFwdTiles
+from .tiles import TileLayer
 
 if AVAILABLE:
     from .epilogue_jit import lse_merge_weights, softmax_lse
@@ -58,55 +55,11 @@ if AVAILABLE:
         warpgroup_mma_wait,
     )
 
-# (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
-# in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
-# d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs 380 TFLOP/s) but its
-# correctness run did not finish on the device: not offered until it does
-CONFIGS = {128: (128, 128, 3, 2, 1)}  # the tile sweep's best: docs/design.md
-DEFAULT_HEAD_DIMS = (128,)  # where it is the default forward (measured faster than Triton's)
-__all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "launch", "supported", "tile_rows"]
-
-
-def _config(d: int) -> tuple[int, int, int, int, int]:
-    """``MAGI_GLUON_FWD_CFG=BM,BN,STAGES,PARTS,PING`` overrides the tuned config (tuning runs)."""
-    return env_config("MAGI_GLUON_FWD_CFG", CONFIGS[d], "BM,BN,STAGES,PARTS,PING",
-                      lambda v: v[3] in (1, 2) and v[4] in (0, 1), " with PARTS 1 or 2 and PING 0 or 1")  # type: ignore[return-value]
-
-
-# an item's fixed cost in key blocks (its output and the ring's refill), for the queues
-PERSIST_ITEM_OVERHEAD_BLOCKS = 0.5
-
-
-def item_tiles(n_tiles: int, hq: int, group: int) -> list[int]:
-    """The tile of each item of the KV-major order, item id = position (``_program_tile``)."""
-    per_kv = n_tiles * group
-    return [(p % per_kv) // group for p in range(n_tiles * hq)]
-
-
-@functools.lru_cache(maxsize=256)
-def _queue_table(work: tuple[int, ...], hq: int, group: int, block_keys: int, n_sms: int,
-                 device: torch.device) -> tuple[torch.Tensor, int]:
-    """(queue table, programs) of a launch: the list schedule of the KV-major order's items on
-    ``n_sms`` SMs (``program_order.list_queues``, item cost: its tile's key blocks), as int32
-    [programs + 1 offsets, then the items of program 0, 1, ...]."""
-    blocks = [-(-w // block_keys) + PERSIST_ITEM_OVERHEAD_BLOCKS for w in work]
-    queues = program_order.list_queues([blocks[t] for t in item_tiles(len(work), hq, group)], n_sms)
-    offsets = [0]
-    for qu in queues:
-        offsets.append(offsets[-1] + len(qu))
-    table = offsets + [item for qu in queues for item in qu]
-    return upload(torch.tensor(table, dtype=torch.int32), device), len(queues)
-
-
-def tile_rows(d: int) -> int:
-    """Query rows per tile (the block of the tile tables the launch reads)."""
-    return _config(d)[0]
-
-
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this kernel can run the forward of these inputs (sm90, a tuned head dim,
-    16-byte aligned rows)."""
-    return hopper_supported(q, k, v, CONFIGS)
+# (BM, BN, STAGES, PARTS, PING) per head dim (``kernel_config.GluonFwdTiles``); the head dims
+# this kernel exists for. d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs
+# 380 TFLOP/s) but its correctness run did not finish on the device: not offered until it does
+CONFIGS = TUNED_GLUON_FWD
+__all__ = ["AVAILABLE", "CONFIGS", "MAX_REGS", "launch"]
 
 
 if AVAILABLE:
@@ -139,7 +92,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _queue(QUEUE):
-        """This program's items [lo, hi) of the launch's queue table (``_queue_table``)."""
+        """This program's items [lo, hi) of the launch's queue table (``plan.fwd_queue_table``)."""
         pid = gl.program_id(0)
         return gl.load(QUEUE + pid), gl.load(QUEUE + pid + 1), gl.num_programs(0) + 1
 
@@ -236,7 +189,7 @@ if AVAILABLE:
         """``_softmax`` of block ``t``, element-masked when the block is partial (outside the
         full run [b1, b2)). Each branch holds a whole softmax, so the wait for the previous
         P V that follows sits after the branches' join, where ptxas cannot hoist it above the
-        softmax. With the mask alone in the branch ptxas placed that wait right after
+        softmax. With the mask alone in the branch (v8-v14) ptxas placed that wait right after
         the branch, before the row max: P V no longer overlapped the softmax."""
         partial = (t < b1) | (t >= b2)
         if partial:
@@ -393,16 +346,18 @@ if AVAILABLE:
                              cap_in, cap_out, GROUP, BM, BN, D, STAGES, HAS_SOFTCAP, ACCUM, 1, 2, PING)),
                 (_loader, loader_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-    def launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, accum):
-        """One launch over the query tiles x heads (tile tables of block ``CONFIGS[d][0]``; ``work``:
-        the host copy of each tile's visible keys, which sets the programs' queues)."""
+    def launch(q, k, v, out, lse, meta, layer: TileLayer, queue: tuple[torch.Tensor, int], tiles: GluonFwdTiles,
+               qk_scale, cap_in, cap_out, softcap, accum):
+        """One launch of a plan's layer (``plan.ForwardPlan``): the query tiles of ``layer`` (tables of
+        block ``tiles.block_m``) x heads, one persistent program per queue of ``queue`` (queue table,
+        programs)."""
         d = q.shape[-1]
         hq, hk = q.shape[1], k.shape[1]
-        BM, BN, stages, parts, ping = _config(d)
-        queue, programs = _queue_table(work, hq, hq // hk, BN, sm_count(q.device), q.device)
+        BM, BN, stages, parts, ping = tiles
+        table, programs = queue
         _fwd_ws_kernel[(programs,)](
-            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, tiles, members, queue, hq,
-            len(work), qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
+            descriptor(q, BM), descriptor(k, BN), descriptor(v, BN), out, lse, meta, layer.tiles, layer.members,
+            table, hq, layer.n, qk_scale, cap_in, cap_out, GROUP=hq // hk, BM=BM, BN=BN, D=d, STAGES=stages,
             HAS_SOFTCAP=softcap > 0, ACCUM=accum, PARTS=parts, PING=bool(ping), num_warps=8 // parts,
             maxnreg=MAX_REGS,
         )

@@ -36,6 +36,11 @@ def per_tensor(t: torch.Tensor, tag: str, compute: Callable[[], T], *others: tor
     return value
 
 
+def clear() -> None:
+    """Drop every memoised host value."""
+    _MEMO.clear()
+
+
 def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t`` (a host tensor) on ``device``, without a host sync.
 

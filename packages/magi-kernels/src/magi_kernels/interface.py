@@ -14,7 +14,9 @@ import torch
 
 from . import reference
 from .head_features import apply_sink, check_sink, common_head_dim, pad_head_dim
+from .kernel_config import KernelConfig, config_json, resolve_kernel_config
 from .lse import merge_out_lse
+from .plan import AttentionPlan, call_plan
 from .validation import (
     SliceTensors,
     check_accumulators,
@@ -44,6 +46,11 @@ _TRITON = _load_triton()  # resolved once at import: keeps the hot path (and tor
 
 def _triton_module():
     return _TRITON
+
+
+def triton_available() -> bool:
+    """Whether the Triton GPU backend can run in this process (Triton importable and working)."""
+    return _TRITON is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,27 +92,33 @@ def ffa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor,
     softmax_scale: float, softcap: float, backend: str, acc_out: bool = False, check_ranges: bool = False,
+    kernel_config: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (q's dtype, or the fp32/fp64 accumulator dtype with ``acc_out``) and lse.
     ``check_ranges`` validates the slices first (cached per mask): a ``torch.compile`` graph
-    cannot read the ranges, so ``flex_flash_attn_func`` checks them here, when the op runs."""
+    cannot read the ranges, so ``flex_flash_attn_func`` checks them here, when the op runs.
+    ``kernel_config``: ``KernelConfig.to_json()`` ("" = the process default)."""
     if check_ranges:
         check_slice_tensors(SliceTensors(q_ranges, k_ranges, attn_type_map), q.shape[0], k.shape[0])
-    return _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out)
+    return _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out,
+                         KernelConfig.from_json(kernel_config))
 
 
-def _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False):
+def _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False,
+                  config: KernelConfig | None = None, plan: AttentionPlan | None = None):
     """The forward on ``backend`` (the custom op's body; the eager autograd path calls it directly)."""
     if backend == "triton":
         tri = _triton_module()
-        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out)
+        return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out, config,
+                               plan)
     return reference.ffa_forward(
         q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, acc_out
     )
 
 
 @ffa_fwd.register_fake
-def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False, check_ranges=False):
+def _(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False, check_ranges=False,
+      kernel_config=""):
     out_dtype = reference.acc_dtype(q.dtype) if acc_out else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:2], dtype=reference.acc_dtype(q.dtype))
 
@@ -115,50 +128,71 @@ def ffa_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor,
     q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor,
-    softmax_scale: float, softcap: float, backend: str,
+    softmax_scale: float, softcap: float, backend: str, kernel_config: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns fp32 (fp64 for fp64 inputs) dq, dk, dv."""
+    """Returns fp32 (fp64 for fp64 inputs) dq, dk, dv. ``kernel_config`` as in ``ffa_fwd``."""
     return _backward_impl(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                          backend)
+                          backend, KernelConfig.from_json(kernel_config))
 
 
-def _backward_impl(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend):
+def _backward_impl(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend,
+                   config: KernelConfig | None = None, plan: AttentionPlan | None = None):
     """The backward on ``backend`` (the custom op's body; the eager autograd path calls it directly)."""
     if backend == "triton":
         tri = _triton_module()
-        return tri.ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+        return tri.ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
+                                config, plan)
     return reference.ffa_backward(
         do, q, k, v, out, lse, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, dlse
     )
 
 
 @ffa_bwd.register_fake
-def _(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend):
+def _(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, kernel_config=""):
     cd = reference.acc_dtype(q.dtype)
     return q.new_empty(q.shape, dtype=cd), k.new_empty(k.shape, dtype=cd), v.new_empty(v.shape, dtype=cd)
 
 
 def run_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale: float, softcap: float, backend: str,
-                acc_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                acc_out: bool = False, kernel_config: KernelConfig | None = None,
+                plan: AttentionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ffa_fwd`` without autograd for callers that build their own (context-parallel stages):
     the custom op where a ``torch.compile`` graph records it, its body directly in eager mode
-    (the dispatcher costs tens of microseconds of host time per call)."""
-    fwd = ffa_fwd if torch.compiler.is_compiling() else _forward_impl
-    return fwd(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out)
+    (the dispatcher costs tens of microseconds of host time per call). ``kernel_config``: None
+    for the process default (``default_kernel_config``) or the plan's; ``plan``: a plan of these
+    inputs (``plan_attention``; the GPU backend runs it, a ``torch.compile`` graph re-plans)."""
+    if torch.compiler.is_compiling():
+        cfg = plan.key.config if plan is not None and kernel_config is None else kernel_config
+        return ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out, False,
+                       config_json(cfg))
+    return _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out,
+                         kernel_config, plan)
 
 
 def run_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale: float,
-                 softcap: float, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softcap: float, backend: str, kernel_config: KernelConfig | None = None,
+                 plan: AttentionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ffa_bwd`` as ``run_forward`` runs ``ffa_fwd``: fp32 (fp64 for fp64 inputs) dq, dk, dv."""
-    bwd = ffa_bwd if torch.compiler.is_compiling() else _backward_impl
-    return bwd(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend)
+    if torch.compiler.is_compiling():
+        cfg = plan.key.config if plan is not None and kernel_config is None else kernel_config
+        return ffa_bwd(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend,
+                       config_json(cfg))
+    return _backward_impl(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
+                          backend, kernel_config, plan)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, qr, kr, tm, scale, softcap, backend, *_ = inputs
+    q, k, v, qr, kr, tm, scale, softcap, backend, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, qr, kr, tm)
     ctx.scale, ctx.softcap, ctx.backend = scale, softcap, backend
+    # the op's inputs end with (acc_out, check_ranges, the config's JSON), the eager path's with
+    # (the config, the plan)
+    if rest and isinstance(rest[0], KernelConfig):
+        ctx.kernel_config, ctx.plan = rest[0], rest[1]
+    else:
+        last = rest[-1] if rest else None
+        ctx.kernel_config, ctx.plan = (last if isinstance(last, str) else ""), None
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
@@ -167,8 +201,10 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         dout = torch.zeros_like(out)
     if dlse is None:
         dlse = torch.zeros_like(lse)
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, qr, kr, tm, ctx.scale, ctx.softcap, ctx.backend)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+    config = ctx.kernel_config
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, qr, kr, tm, ctx.scale, ctx.softcap, ctx.backend,
+                              KernelConfig.from_json(config) if isinstance(config, str) else config, ctx.plan)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None, None
 
 
 ffa_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -181,14 +217,15 @@ class _EagerFFA(torch.autograd.Function):
     kernels are shorter than its host cost is launch-bound). ``torch.compile`` uses the op."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, qr, kr, tm, scale: float, softcap: float, backend: str):
-        out, lse = _forward_impl(q, k, v, qr, kr, tm, scale, softcap, backend)
-        _setup_context(ctx, (q, k, v, qr, kr, tm, scale, softcap, backend), (out, lse))
+    def forward(ctx: Any, q, k, v, qr, kr, tm, scale: float, softcap: float, backend: str, config: KernelConfig,
+                plan: AttentionPlan | None):
+        out, lse = _forward_impl(q, k, v, qr, kr, tm, scale, softcap, backend, False, config, plan)
+        _setup_context(ctx, (q, k, v, qr, kr, tm, scale, softcap, backend, config, plan), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-        return _backward(ctx, dout, dlse)[:9]
+        return _backward(ctx, dout, dlse)[:11]
 
 
 def flex_flash_attn_func(
@@ -206,6 +243,8 @@ def flex_flash_attn_func(
     backend: str = "auto",
     check_ranges: bool = True,
     sink: torch.Tensor | None = None,
+    kernel_config: KernelConfig | None = None,
+    plan: AttentionPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a list of slices ``(q_range, k_range, mask_type)``.
 
@@ -227,7 +266,7 @@ def flex_flash_attn_func(
         backend: ``"auto"``, ``"torch"`` (reference, CPU/GPU) or ``"triton"`` (GPU). On sm90 at
             head_dim 128 its forward may read up to 127 rows of k/v past the end of a slice's
             k_range (with weight 0): those rows must be finite (NaN/inf there gives NaN rows);
-            ``MAGI_GLUON_FWD=0`` selects a forward that never reads them.
+            ``kernel_config=KernelConfig(gluon_fwd=False)`` selects a forward that never reads them.
         check_ranges: validate the slices: inside the tensors, known mask types, and no (q, k)
             cell covered twice (the solver's check, ``magi_solver.validate_slices``). Cached per
             mask, by the range tensors' identity and in-place version and else by a hash of their
@@ -239,6 +278,15 @@ def flex_flash_attn_func(
             join every row's softmax denominator with no value (GPT-OSS); fp32 recommended.
             Applied to the final result, after merging with ``out``/``lse``: when chaining
             partial results, pass it to the last call only.
+        kernel_config: the GPU kernels' tiles and pipeline choices (``KernelConfig``); None for
+            the process default (``default_kernel_config``: the measured defaults, or the
+            ``MAGI_TRITON_*`` / ``MAGI_GLUON_*`` developer overrides read once). The torch
+            backend ignores it.
+        plan: a plan of exactly these inputs (``plan_attention``: slices, shapes, dtype, device,
+            config); the GPU backend launches it without planning, a call with other inputs is
+            refused with an error naming what differs. None: the plan is found in a memo keyed
+            on the same values (built at the first call of a mask). With a plan and no
+            ``kernel_config``, the plan's config runs.
 
     Returns:
         ``(out, lse)``: out ``[total_q, heads_q, v_head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
@@ -254,12 +302,24 @@ def flex_flash_attn_func(
     be = resolve_backend(backend, q)
     dv, d = v.shape[-1], common_head_dim(q, v)
     q, k, v = (pad_head_dim(t, d) for t in (q, k, v))
+    if plan is not None:
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be a magi_kernels.AttentionPlan (plan_attention) or None, got "
+                            f"{type(plan).__name__}")
+        if kernel_config is None:
+            kernel_config = plan.key.config
     if torch.compiler.is_compiling():  # a graph cannot read the ranges: the op checks them when it runs
-        o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges)
+        # (nor hold a plan: the op finds the memoised plan of its inputs)
+        o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges,
+                             config_json(kernel_config))
     else:
         if check_ranges:
             check_slice_tensors(st, q.shape[0], k.shape[0])
-        o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be)
+        config = resolve_kernel_config(kernel_config)
+        if plan is not None and be != "triton":  # the torch backend has no launches to plan: check the inputs
+            call_plan(q, k, st.q_ranges, st.k_ranges, st.attn_type_map, config, plan)
+        o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, config,
+                                     plan)
     if dv != d:
         o = o[..., :dv]
     if out is not None:

@@ -1,19 +1,14 @@
 """Fused GPU backend (Triton): flash attention over (q_range, k_range, mask_type) slices.
 
-Tiles: every slice is cut into blocks of rows from its start (query rows for the forward and dQ,
-key rows for dK/dV). Slices whose ranges start at the same phase of that grid have coinciding
-tiles, so one tile serves all of them: its program loops over the member slices (one online
-softmax across their keys, or one dK/dV accumulation across their queries). Only slices that
-overlap at a different phase go to separate *layers* (interval colouring on the host); a later
-layer LSE-merges (forward) or adds (backward) into the output of the previous ones, so no two
-programs ever write the same rows. Packed documents, block-causal, sliding-window and
-shared-prefix masks are all one layer.
+This module launches a plan (``plan.AttentionPlan``: kernels, tiles, tile tables and program
+orders, built on the host by ``plan`` and ``tiles``); it holds the Triton kernels and reads no
+configuration of its own.
 
 Forward: one program per (query tile, query head). Keys of each member are pruned to the
 tile's visible extent and walked in three runs: partial blocks before, full blocks (no element
 mask, no -inf bookkeeping; optionally TMA descriptor loads), partial blocks after. Online
 softmax in base 2, fp32 accumulation. On sm90 at d=128 the forward runs instead as the
-warp-specialised Gluon kernel of ``gluon_fwd`` over the same tile tables (``_use_gluon``).
+warp-specialised Gluon kernel of ``gluon_fwd`` over the same tile tables (``plan.use_gluon_fwd``).
 
 Backward (no atomics): a preprocess kernel computes delta = rowsum(dO * O) - dLSE (head-major);
 dK/dV programs, one per (key tile, KV head), loop over the GQA group and the visible query
@@ -32,18 +27,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from magi_solver import AttnMaskType, slice_area
 
-from . import gluon_bwd, gluon_fwd
-from .env_config import env_choice, env_config, warn_removed_switches
-from .host_cache import per_tensor, upload
+from . import gluon_bwd, gluon_common, gluon_fwd
+from . import plan as planning
+from .kernel_config import KernelConfig
+from .plan import SUPPORTED_HEAD_DIMS, AttentionPlan, DeviceCaps, call_plan, kernel_head_dim
 
-warn_removed_switches()  # once per process: a removed variant's switch must not look as if it took effect
-
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
-# faster with the 128x128 tile below; docs/design.md)
-TMA_FWD_HEAD_DIMS = (128,)
 LOG2E = 1.4426950408889634
 
 try:
@@ -53,17 +42,6 @@ try:
     AVAILABLE = True
 except ImportError:  # CPU-only installs
     AVAILABLE = False
-
-
-def kernel_head_dim(d: int) -> int | None:
-    """Head dim the kernels run ``d`` at: ``d`` itself if they are compiled for it, else the next
-    of SUPPORTED_HEAD_DIMS for a multiple of 8 up to 256 (e.g. 80, 96, 192: zero-padded, which
-    leaves scores and outputs unchanged and costs the padded flops), else None."""
-    if d in SUPPORTED_HEAD_DIMS:
-        return d
-    if d % 8 or d <= 0:
-        return None
-    return next((p for p in SUPPORTED_HEAD_DIMS if p > d), None)
 
 
 def supports_head_dim(d: int) -> bool:
@@ -77,111 +55,10 @@ def _pad_head_dim(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.nn.functional.pad(x, (0, pad)) for x in xs)
 
 
-def _layers(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[list[int]]:
-    """Colour slices into layers along ``axis`` (0 = q, 2 = k) so that no two tiles of a layer
-    write the same rows. Tiles start every ``block`` rows from a slice's start, so slices whose
-    starts agree modulo ``block`` (same *phase*) have coinciding tiles and may share a layer even
-    when their ranges overlap: such a tile loops over all its slices. Slices of different phase
-    share a layer only if their ranges are disjoint. Empty slices are dropped."""
-    order = sorted(range(len(slices)), key=lambda i: (slices[i][axis], slices[i][axis + 1]))
-    # per layer: {phase: largest end}; a slice starting at s conflicts with a layer if a slice
-    # of another phase there ends after s (all earlier slices start at or before s)
-    ends: list[dict[int, int]] = []
-    layers: list[list[int]] = []
-    for i in order:
-        s, e = slices[i][axis], slices[i][axis + 1]
-        if e <= s or slices[i][2] >= slices[i][3] or slices[i][0] >= slices[i][1]:
-            continue
-        phase = s % block
-        for li, by_phase in enumerate(ends):
-            if all(end <= s for ph, end in by_phase.items() if ph != phase):
-                layers[li].append(i)
-                by_phase[phase] = max(by_phase.get(phase, e), e)
-                break
-        else:
-            layers.append([i])
-            ends.append({phase: e})
-    return layers
-
-
-try:
-    from . import _native  # C++ tile pairs (same layers and pairs as _layers / _layer_pairs)
-except ImportError:
-    _native = None
-
-
-def _layer_pairs(slices: tuple[tuple[int, ...], ...], axis: int, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: (slice index, tile start) of every slice's tiles, int32 CPU tensors, in slice order."""
-    if _native is not None:
-        def as_t(b: bytes) -> torch.Tensor:
-            return torch.frombuffer(bytearray(b), dtype=torch.int32) if b else torch.empty(0, dtype=torch.int32)
-        return [(as_t(a), as_t(b)) for a, b, _ in _native.tiles(list(slices), axis, block)]
-    out = []
-    for layer in _layers(slices, axis, block):
-        pairs = [(i, b) for i in layer for b in range(slices[i][axis], slices[i][axis + 1], block)]
-        out.append((torch.tensor([p[0] for p in pairs], dtype=torch.int32),
-                    torch.tensor([p[1] for p in pairs], dtype=torch.int32)))
-    return out
-
-
-def tile_work(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: int, block: int) -> torch.Tensor:
-    """Visible extent on the other axis of each (slice, tile) pair (keys of a q tile, queries of
-    a k tile)."""
-    s = meta[sid.long()].long()
-    qs, qe, ks, ke, t = s.unbind(1)
-    inv, cau = (t & 2) != 0, (t & 1) != 0
-    b0 = start.long()
-    if axis == 0:
-        last = torch.minimum(b0 + block, qe) - 1
-        lo = torch.where(inv, ks + b0 - qs, ks)
-        hi = torch.minimum(torch.where(cau, last + ke - qe + 1, ke), ke)
-    else:
-        last = torch.minimum(b0 + block, ke) - 1
-        lo = torch.maximum(torch.where(cau, b0 - ke + qe, qs), qs)
-        hi = torch.minimum(torch.where(inv, last - ks + qs + 1, qe), qe)
-    return (hi - lo).clamp(min=0)
-
-
-def _group_tiles(meta: torch.Tensor, sid: torch.Tensor, start: torch.Tensor, axis: int, block: int):
-    """Merge a layer's (slice, tile start) pairs into tiles: a table of (start, end, first member,
-    member count) per tile, ordered by descending work, the member slice ids and each tile's work
-    (visible rows of the other axis, summed over members; descending). ``end`` is the last row
-    any member covers (the tile writes [start, end))."""
-    order = torch.sort(start.long() * len(meta) + sid.long(), stable=True).indices  # by start, then slice
-    sid, start = sid[order], start[order]
-    starts, counts = torch.unique_consecutive(start, return_counts=True)
-    tile_of = torch.repeat_interleave(torch.arange(len(starts)), counts)
-    pair_end = torch.minimum(start.long() + block, meta[sid.long(), axis + 1].long())
-    end = torch.zeros(len(starts), dtype=torch.long).scatter_reduce(0, tile_of, pair_end, "amax", include_self=False)
-    work = torch.zeros(len(starts), dtype=torch.long).index_add_(0, tile_of, tile_work(meta, sid, start, axis, block))
-    first = torch.cumsum(counts, 0) - counts
-    table = torch.stack([starts.long(), end, first, counts.long()], 1)
-    by_work = torch.sort(work, descending=True, stable=True).indices
-    return table[by_work].to(torch.int32).contiguous(), sid.contiguous(), tuple(work[by_work].tolist())
-
-
-@functools.lru_cache(maxsize=256)
-def _tiles(slices: tuple[tuple[int, ...], ...], axis: int, block: int, device: str, n_rows: int = -1):
-    """(slice table, [(tile table, member slice ids, n tiles, work per tile) per layer], layer 0
-    covers all rows).
-
-    Tiles run longest first (the work tuple is on the host, descending). The last flag says
-    whether layer 0 writes every one of ``n_rows`` rows (then outputs need no zero fill).
-    """
-    meta_cpu = torch.tensor(slices, dtype=torch.int32).reshape(-1, 5)
-    layers, covered = [], 0
-    for li, (sid, start) in enumerate(_layer_pairs(slices, axis, block)):
-        table, members, work = _group_tiles(meta_cpu, sid, start, axis, block)
-        if li == 0:  # tiles of a layer are disjoint: the rows layer 0 writes
-            covered = int((table[:, 1] - table[:, 0]).sum())
-        layers.append((upload(table, device), upload(members, device), len(table), work))
-    return upload(meta_cpu, device), layers, covered == n_rows and all(s[axis + 1] <= n_rows for s in slices)
-
-
 if AVAILABLE:
-    from .epilogue_jit import key_tile_rows
-    from .epilogue_jit import row_bounds as _row_bounds
     from .epilogue_jit import lse_merge_weights, softmax_lse
+    from .slice_bounds_jit import key_tile_rows
+    from .slice_bounds_jit import row_bounds as _row_bounds
 
     @triton.jit
     def _tanh(x):
@@ -517,68 +394,11 @@ if AVAILABLE:
                         qk_scale, cap_in, cap_out, GROUP, BM2, BN2, D, HAS_SOFTCAP, ACCUM)
 
 
-def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """Tile config override ``BM,BN,num_warps,num_stages`` from the environment (for tuning runs)."""
-    return env_config(name, default, "BM,BN,num_warps,num_stages")  # type: ignore[return-value]
-
-
-# (BM, BN, num_warps, num_stages) per head dim, from tile sweeps (bench/sweep_tiles.py)
-_FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
-_FWD_TMA_DEFAULTS = {128: (128, 128, 8, 3)}
-_DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
-_DQ_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
-
-
-def _fwd_config(d: int, tma: bool = False) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_FWD_CFG", (_FWD_TMA_DEFAULTS if tma else _FWD_DEFAULTS).get(d, _FWD_DEFAULTS[d]))
-
-
-def _bwd_config(d: int) -> tuple[int, int, int, int]:
-    """dK/dV kernel: BN keys per program, BM query rows per step."""
-    return _env_config("MAGI_TRITON_BWD_CFG", _DKDV_DEFAULTS[d])
-
-
-def _dq_config(d: int) -> tuple[int, int, int, int]:
-    return _env_config("MAGI_TRITON_DQ_CFG", _DQ_DEFAULTS[d])
-
-
-def _host_tuple(q_ranges: torch.Tensor, k_ranges: torch.Tensor, types: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """Slice table as a hashable tuple, memoised per range tensor (and its in-place version), so
-    repeated calls with the same metadata cost a dictionary lookup."""
-    def build():
-        t = torch.cat([q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1, 1)], dim=1).tolist()
-        return tuple(tuple(r) for r in t)
-
-    return per_tensor(q_ranges, "slice_table", build, k_ranges, types)
-
-
-@functools.lru_cache(maxsize=256)
-def staircase_share(slices: tuple[tuple[int, ...], ...]) -> float:
-    """The share of the slices' area in causal / inv_causal slices (the Gluon backward runs such
-    launches as pieces where their tiles differ in length, ``program_order.auto_piece_heads``)."""
-    stairs = (AttnMaskType.CAUSAL, AttnMaskType.INVCAUSAL)
-    areas = [(slice_area(qe - qs, ke - ks, t), t in stairs) for qs, qe, ks, ke, t in slices]
-    total = sum(a for a, _ in areas)
-    return sum(a for a, stair in areas if stair) / total if total else 0.0
-
-
 def _scale_args(softmax_scale: float, softcap: float) -> tuple[float, float, float]:
     """(qk_scale, cap_in, cap_out): base-2 score = dot * qk_scale, or cap_out * tanh(dot * cap_in)."""
     if softcap > 0:
         return softmax_scale * LOG2E, softmax_scale / softcap, softcap * LOG2E
     return softmax_scale * LOG2E, 1.0, 1.0
-
-
-def _use_tma(x: torch.Tensor) -> bool:
-    """Whether the forward loads full K/V blocks through TMA descriptors (Hopper and newer;
-    Triton's interpreter emulates them): by default for the head dims in TMA_FWD_HEAD_DIMS.
-    ``MAGI_TRITON_TMA=0/1`` overrides; partial blocks always use masked pointer loads."""
-    env = env_choice("MAGI_TRITON_TMA", "auto", AUTO_SWITCH)
-    if env != "auto":
-        return env == "1"
-    if x.device.type != "cuda":
-        return False
-    return x.shape[-1] in TMA_FWD_HEAD_DIMS and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _descriptor(x: torch.Tensor, rows: int, use: bool):
@@ -592,112 +412,85 @@ def _descriptor(x: torch.Tensor, rows: int, use: bool):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[-1]])
 
 
-DQ_MODES = {"split": 0, "atomic": 1, "tma": 2}
-AUTO_SWITCH = ("auto", "0", "1")  # a kernel switch whose unset value leaves the choice to the backend
-DEFAULT_DQ_MODE = "split"  # on sm90+; see _dq_mode
-
-
-def _dq_override() -> str:
-    """``MAGI_TRITON_DQ``: one of ``DQ_MODES``, or "auto" when unset (the backend chooses)."""
-    return env_choice("MAGI_TRITON_DQ", "auto", ("auto", *DQ_MODES))
-
-
-def _dq_mode(x: torch.Tensor) -> str:
-    """How the backward computes dQ:
-
-    * ``split``: dQ programs of their own (recompute scores and dP; deterministic);
-    * ``atomic``: the dK/dV programs add dS K into an fp32 dQ with pointer atomics;
-    * ``tma``: the same through TMA bulk reduce-adds (sm90+; 5 matmuls per block instead of 7).
-
-    The accumulating modes are not bitwise deterministic (the order of the fp32 adds varies), so
-    ``torch.use_deterministic_algorithms(True)`` selects ``split``. ``MAGI_TRITON_DQ`` overrides.
-    """
-    env = _dq_override()
-    if env != "auto":
-        if env == "tma" and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
-            raise ValueError("MAGI_TRITON_DQ=tma needs TMA (sm90+); use 'atomic' or 'split' on this GPU")
-        return env
-    if torch.are_deterministic_algorithms_enabled() or x.device.type != "cuda":
-        return "split"
-    return DEFAULT_DQ_MODE if torch.cuda.get_device_capability(x.device)[0] >= 9 else "split"
-
-
 def _alloc(shape, dtype, device, covered: bool, fill: float) -> torch.Tensor:
     """Output buffer; rows that no tile writes must hold ``fill``, so fill only when some exist."""
     return torch.empty(shape, dtype=dtype, device=device) if covered else torch.full(shape, fill, dtype=dtype, device=device)
 
 
-def _use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the forward runs the warp-specialised Gluon kernel (``gluon_fwd``; sm90, a head
-    dim it has a config for, non-empty K/V): by default for ``gluon_fwd.DEFAULT_HEAD_DIMS``.
-    ``MAGI_GLUON_FWD=0`` turns it off, ``=1`` turns it on for every head dim it supports."""
-    env = env_choice("MAGI_GLUON_FWD", "auto", AUTO_SWITCH)
-    if env == "0" or k.shape[0] == 0 or q.shape[0] == 0 or not gluon_fwd.supported(q, k, v):
-        return False
-    return env == "1" or q.shape[-1] in gluon_fwd.DEFAULT_HEAD_DIMS
+def _device_caps(device: str) -> DeviceCaps:
+    """What the planner needs of ``device`` (read per call from cached device queries, so that a
+    test may stand in another SM count through ``gluon_common.sm_count``)."""
+    if not device.startswith("cuda"):
+        return DeviceCaps(device, 0, 1, False, False)
+    dev = torch.device(device)
+    major = _capability(dev)
+    return DeviceCaps(device, major, gluon_common.sm_count(dev), gluon_fwd.AVAILABLE and major == 9,
+                      gluon_bwd.AVAILABLE and major == 9)
 
 
-def _fwd_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[bool, bool, tuple[int, int, int, int]]:
-    """(whether the forward runs the Gluon kernel, whether it loads K/V through TMA, its
-    (BM, BN, warps, stages); BM is the query-tile size its tile tables are built for)."""
-    gluon = _use_gluon(q, k, v)
-    tma = _use_tma(q) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0  # TMA needs aligned bases
-    return gluon, tma, ((gluon_fwd.tile_rows(q.shape[-1]), 0, 0, 0) if gluon else _fwd_config(q.shape[-1], tma))
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
-def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False):
+planning.register_device_caps(_device_caps)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when its base is not 16-byte aligned (TMA descriptors need it; views at
+    an odd offset are rare, and the plan was made for aligned tensors)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False,
+                config: KernelConfig | None = None, plan: AttentionPlan | None = None):
+    """The forward: (out, lse). ``config``: tiles and pipeline choices (None: the process
+    default, ``default_kernel_config``, or the plan's); ``plan``: a plan of these inputs
+    (``plan_attention``; None: the memoised one)."""
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:  # zero-padded head dim (kernel_head_dim); scale stays the caller's
         out, lse = ffa_forward(*_pad_head_dim(q, k, v), q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                               acc_out)
+                               acc_out, config, plan)
         return out[..., :d].contiguous(), lse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    fp = call_plan(q, k, q_ranges, k_ranges, attn_type_map, config, plan).forward
     tq, hq, d = q.shape
     hk = k.shape[1]
-    slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
-    gluon, tma, (BM, BN, warps, stages) = _fwd_plan(q, k, v)
-    meta, layers, covered = _tiles(slices, 0, BM, str(q.device), tq)
+    if fp.kernel == "gluon" or fp.tma:
+        q, k, v = _aligned(q), _aligned(k), _aligned(v)
     # one layer writes every row once: the kernel can write q's dtype directly; several layers
     # merge into an fp32 accumulator
-    out_dtype = torch.float32 if acc_out or len(layers) > 1 else q.dtype
-    out = _alloc((tq, hq, d), out_dtype, q.device, covered, 0.0)
-    lse = _alloc((tq, hq), torch.float32, q.device, covered, float("-inf"))
+    out_dtype = torch.float32 if acc_out or len(fp.layers) > 1 else q.dtype
+    out = _alloc((tq, hq, d), out_dtype, q.device, fp.covered, 0.0)
+    lse = _alloc((tq, hq), torch.float32, q.device, fp.covered, float("-inf"))
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
-    kd, vd = (None, None) if gluon else (_descriptor(k, BN, tma), _descriptor(v, BN, tma))
-    for li, (tiles, members, n, work) in enumerate(layers):
-        if gluon:
-            gluon_fwd.launch(q, k, v, out, lse, meta, tiles, members, work, qk_scale, cap_in, cap_out, softcap, li > 0)
-            continue
-        _fwd_kernel[(n * hq,)](
-            q, k, v, kd, vd, out, lse, meta, tiles, members, hq, qk_scale, cap_in, cap_out,
-            GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=tma,
-            num_warps=warps, num_stages=stages,
-        )
+    if fp.kernel == "gluon":
+        for li, (layer, queue) in enumerate(zip(fp.layers, fp.queues)):
+            gluon_fwd.launch(q, k, v, out, lse, fp.meta, layer, queue, fp.tiles, qk_scale, cap_in, cap_out, softcap,
+                             li > 0)
+    else:
+        BM, BN, warps, stages = fp.tiles
+        kd, vd = _descriptor(k, BN, fp.tma), _descriptor(v, BN, fp.tma)
+        for li, layer in enumerate(fp.layers):
+            _fwd_kernel[(layer.n * hq,)](
+                q, k, v, kd, vd, out, lse, fp.meta, layer.tiles, layer.members, hq, qk_scale, cap_in, cap_out,
+                GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=fp.tma,
+                num_warps=warps, num_stages=stages,
+            )
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
-def _use_gluon_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """Whether the backward runs the warp-specialised Gluon kernel (``gluon_bwd``: dK, dV and dQ
-    in one pass; sm90, a head dim it has a config for, non-empty inputs): by default for
-    ``gluon_bwd.DEFAULT_HEAD_DIMS``. Its dQ is a sum of fp32 reduce-adds in no fixed order, so
-    ``torch.use_deterministic_algorithms(True)`` and an explicit ``MAGI_TRITON_DQ`` select the
-    Triton backward; ``MAGI_GLUON_BWD=0`` turns it off, ``=1`` on for every supported head dim."""
-    env = env_choice("MAGI_GLUON_BWD", "auto", AUTO_SWITCH)
-    if env == "0" or torch.are_deterministic_algorithms_enabled() or _dq_override() != "auto":
-        return False
-    if k.shape[0] == 0 or q.shape[0] == 0 or do.data_ptr() % 16 or not gluon_bwd.supported(q, k, v):
-        return False
-    return env == "1" or q.shape[-1] in gluon_bwd.DEFAULT_HEAD_DIMS
-
-
-def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap):
+def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
+                 config: KernelConfig | None = None, plan: AttentionPlan | None = None):
+    """The backward: fp32 (dq, dk, dv). ``config`` and ``plan`` as in ``ffa_forward``."""
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:  # as in ffa_forward: padded columns of do/out are 0, so delta is unchanged
         grads = ffa_backward(*_pad_head_dim(do, q, k, v, out), lse, dlse, q_ranges, k_ranges, attn_type_map,
-                             softmax_scale, softcap)
+                             softmax_scale, softcap, config, plan)
         return tuple(g[..., :d].contiguous() for g in grads)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     do, out = do.contiguous().to(q.dtype), out.contiguous()
+    bp = call_plan(q, k, q_ranges, k_ranges, attn_type_map, config, plan).backward
     tq, hq, d = q.shape
     tk, hk = k.shape[:2]
     dev = q.device
@@ -708,32 +501,29 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         _bwd_preprocess_kernel[(triton.cdiv(rows, 64),)](
             out, do, lse.float().contiguous(), dlse.float().contiguous(), delta, lse2, rows, hq, tq,
             D=d, BR=64, num_warps=4)
-    slices = _host_tuple(q_ranges, k_ranges, attn_type_map)
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
-    if _use_gluon_bwd(q, k, v, do):  # one pass: dK/dV programs that also reduce-add dQ
-        kv_meta, kv_layers, kv_cov = _tiles(slices, 2, gluon_bwd.key_tile_size(d), str(dev), tk)
-        dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
-        dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
+    if bp.kernel == "gluon":  # one pass: dK/dV programs that also reduce-add dQ
+        q, k, v, do = _aligned(q), _aligned(k), _aligned(v), _aligned(do)
+        dk = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
+        dv = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
         dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
-        stairs = staircase_share(slices)
-        for li, (tiles, members, n, work) in enumerate(kv_layers):
-            gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, kv_meta, tiles, members, work, softmax_scale,
-                             qk_scale, cap_in, cap_out, softcap, li > 0, stairs)
+        for li, (layer, order, piece_tma) in enumerate(zip(bp.kv_layers, bp.orders, bp.piece_tma)):
+            gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, bp.kv_meta, layer, order, piece_tma, bp.tiles,
+                             bp.rotate, softmax_scale, qk_scale, cap_in, cap_out, softcap, li > 0)
         return dq, dk, dv
-    BM1, BN1, warps1, stages1 = _bwd_config(d)
-    BM2, BN2, warps2, stages2 = _dq_config(d)
-    dq_mode = _dq_mode(q)
-    kv_meta, kv_layers, kv_cov = _tiles(slices, 2, BN1, str(dev), tk)
-    q_meta, q_layers, q_cov = _tiles(slices, 0, BM2, str(dev), tq) if dq_mode == "split" else (kv_meta, [], False)
-    dk = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
-    dv = _alloc((tk, hk, d), torch.float32, dev, kv_cov, 0.0)
-    dq = _alloc((tq, hq, d), torch.float32, dev, q_cov and dq_mode == "split", 0.0)  # atomics add into zeros
+    BM1, BN1, warps1, stages1 = bp.tiles
+    BM2, BN2, warps2, stages2 = bp.dq_tiles
+    dq_mode = bp.dq_mode
+    kv_meta, q_meta = bp.kv_meta, bp.q_meta
+    dk = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
+    dv = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
+    dq = _alloc((tq, hq, d), torch.float32, dev, bp.q_covered and dq_mode == "split", 0.0)  # atomics add into zeros
     dqd = _descriptor(dq, BM1, dq_mode == "tma")
     none = torch.empty(0, dtype=torch.int32, device=dev)
 
     def launch(kv_layer, q_layer, accum, warps, stages):
-        n_kv = kv_layer[2] * hk if kv_layer else 0
-        n_q = q_layer[2] * hq if q_layer else 0
+        n_kv = kv_layer.n * hk if kv_layer else 0
+        n_q = q_layer.n * hq if q_layer else 0
         if n_kv + n_q == 0:
             return
         _bwd_kernel[(n_kv + n_q,)](
@@ -742,23 +532,19 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
             q_meta, *(q_layer[:2] if q_layer else (none, none)),
             n_kv, tq, hq, softmax_scale, qk_scale, cap_in, cap_out,
             GROUP=hq // hk, BM1=BM1, BN1=BN1, BM2=BM2, BN2=BN2, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=accum,
-            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, DQ_MODE=DQ_MODES[dq_mode],
+            DO_KV=kv_layer is not None, DO_Q=q_layer is not None, DQ_MODE=planning.DQ_MODE_IDS[dq_mode],
             num_warps=warps, num_stages=stages,
         )
 
     if dq_mode != "split":  # the dK/dV programs add dQ: no dQ programs
-        for li, layer in enumerate(kv_layers):
+        for li, layer in enumerate(bp.kv_layers):
             launch(layer, None, li > 0, warps1, stages1)
         return dq, dk, dv
-
-    # dK/dV and dQ programs in one launch where one layer on each axis allows it (no tail between
-    # them, both kinds resident together: 358 vs 330 TFLOP/s at 16k full over two launches)
-    fused = len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
-    if fused:
-        launch(kv_layers[0], q_layers[0], False, warps1, stages1)
+    if bp.fused:  # dK/dV and dQ programs in one launch (one layer on each axis)
+        launch(bp.kv_layers[0], bp.q_layers[0], False, warps1, stages1)
     else:  # layers after the first read-modify-write the previous ones: one launch per layer
-        for li, layer in enumerate(kv_layers):
+        for li, layer in enumerate(bp.kv_layers):
             launch(layer, None, li > 0, warps1, stages1)
-        for li, layer in enumerate(q_layers):
+        for li, layer in enumerate(bp.q_layers):
             launch(None, layer, li > 0, warps2, stages2)
     return dq, dk, dv

@@ -92,6 +92,11 @@ _CHECKED: "OrderedDict[bytes, tuple[int, int]]" = OrderedDict()  # content diges
 _CHECKED_SIZE = 4096
 
 
+def clear_checked() -> None:
+    """Forget which slices were validated (the next call checks them again)."""
+    _CHECKED.clear()
+
+
 def _checked_extent(st: SliceTensors) -> tuple[int, int]:
     table = torch.cat([st.q_ranges, st.k_ranges, st.attn_type_map.reshape(-1, 1)], dim=1).cpu().contiguous()
     digest = hashlib.blake2b(table.numpy().tobytes(), digest_size=16).digest()
