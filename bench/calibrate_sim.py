@@ -22,10 +22,8 @@ import time
 
 import torch
 
-from magi_attn import DistAttnConfig, OverlapConfig
-from magi_attn.masks import MASKS, make_mask
-from magi_attn.simulate import KernelCostModel, LinkModel, Shape, build_plan, simulate_magi
-from magi_attn.simulate.magi_sim import dq_add_s, merge_s
+from magi_attn import MASKS, DistAttnConfig, OverlapConfig, make_mask
+from magi_attn import simulate as sim_api
 from magi_kernels import merge_out_lse, run_backward, run_forward
 
 
@@ -55,7 +53,7 @@ def timer(device: str, reps: int):
     return run
 
 
-def rank_work(plan, rank: int, shape: Shape, dtype, device: str, backend: str):
+def rank_work(plan, rank: int, shape: sim_api.Shape, dtype, device: str, backend: str):
     """(forward, backward, launches) of one rank: closures that run its kernels as calc_attn does."""
     calc = plan.calc_plan(rank)
     shard = plan.dispatch.shard_seqlen
@@ -125,13 +123,13 @@ def main(argv=None) -> int:
     backend = "triton" if device == "cuda" else "torch"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     model = args.model or ("H200" if "H200" in name else "H100")
-    shape = Shape(args.heads_q, args.heads_kv, 128)
+    shape = sim_api.Shape(args.heads_q, args.heads_kv, 128)
     total = args.cp * args.tokens_per_gpu
     slices = make_mask(args.mask, total)
     cfg = DistAttnConfig(overlap=OverlapConfig(degree=None if args.degree == "auto" else int(args.degree)))
-    plan = build_plan(slices, total, args.cp, shape, cfg)
-    cost = KernelCostModel(model)
-    sim = simulate_magi(slices, total, args.cp, shape, cost, LinkModel(), cfg, plan=plan)
+    plan = sim_api.build_plan(slices, total, args.cp, shape, cfg)
+    cost = sim_api.KernelCostModel(model)
+    sim = sim_api.simulate_magi(slices, total, args.cp, shape, cost, sim_api.LinkModel(), cfg, plan=plan)
     time_it = timer(device, args.reps)
     ranks, launches = [], []
     for r in range(args.cp):
@@ -156,8 +154,8 @@ def main(argv=None) -> int:
         "device": name, "smoke": args.smoke, "model": cost.describe(), "dtype": str(dtype), "backend": backend,
         "mask": args.mask, "cp": args.cp, "tokens_per_gpu": args.tokens_per_gpu, "heads_q": args.heads_q,
         "heads_kv": args.heads_kv, "head_dim": 128, "num_stages": plan.num_stages,
-        "simulated_merge_ms_per_stage": merge_s(cost, shard, shape) * 1e3,
-        "simulated_dq_add_ms_per_stage": dq_add_s(cost, shard, shape) * 1e3,
+        "simulated_merge_ms_per_stage": sim_api.merge_s(cost, shard, shape) * 1e3,
+        "simulated_dq_add_ms_per_stage": sim_api.dq_add_s(cost, shard, shape) * 1e3,
         "worst_rank_rel_err": worst, "within_10_percent": worst <= 0.10, "ranks": ranks, "launches": launches,
     }
     with open(args.out, "w") as f:

@@ -195,7 +195,7 @@ def test_calibration_script_smoke(tmp_path):
 def test_hier_backend_sends_each_row_once_per_destination_node(cost):
     """The two-hop model crosses nodes with exactly the rows magi_comm's two-hop path counts,
     and at cp 16 on 4-GPU nodes it beats the flat all-to-all."""
-    from magi_comm.hierarchical import NodeTopology, inter_node_rows
+    from magi_comm import NodeTopology, inter_node_rows
     from magi_attn.simulate.magi_sim import _two_hop
 
     cp, total, shape = 16, 16 * 2048, Shape()

@@ -50,6 +50,7 @@ from .cross import (
 from .launch import WorkerEnv, exit_worker, free_port, init_worker, launched_env, run_workers
 from .masks import MASKS, cu_seqlens_of, make_mask, sample_doc_lengths
 from .roll import roll
+from . import simulate  # the CP simulator (magi-attn simulate): magi_attn.simulate.Simulator, ...
 from magi_comm import PeerFailureError
 
 __version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
@@ -67,7 +68,7 @@ __all__ = [
     "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_flex_key_for_new_mask",
     "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch", "undispatch",
-    "PeerFailureError", "PlanMismatchError", "roll", "WorkerEnv", "exit_worker", "init_worker", "launched_env", "run_workers",
+    "PeerFailureError", "PlanMismatchError", "roll", "simulate", "WorkerEnv", "exit_worker", "init_worker", "launched_env", "run_workers",
     # configuration vocabulary, launch and benchmark helpers (named masks, context-parallel baselines)
     "COMM_BACKENDS", "MASKS", "comm_rows_per_rank", "contiguous_dispatch", "cu_seqlens_of", "free_port", "make_mask",
     "ring_allgather_attn", "sample_doc_lengths", "ulysses_attn", "zigzag_dispatch",

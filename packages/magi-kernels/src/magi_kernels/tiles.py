@@ -16,7 +16,7 @@ import functools
 from typing import NamedTuple
 
 import torch
-from magi_solver.mask import AttnMaskType, slice_area
+from magi_solver import AttnMaskType, slice_area
 
 from .host_cache import per_tensor, upload
 

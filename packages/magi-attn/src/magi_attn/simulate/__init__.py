@@ -10,12 +10,12 @@ same models. Pure CPU: no GPU and no process group needed. Results are SIMULATED
 from .baselines import simulate_ring, simulate_ulysses, simulate_usp
 from .cost_model import DEVICES, KernelCostModel
 from .links import LinkModel
-from .magi_sim import Result, Shape, build_plan, simulate_magi
+from .magi_sim import Result, Shape, build_plan, dq_add_s, merge_s, simulate_magi
 from .report import FIXED_DEGREES, METHODS, Case, Simulator, degree_check, format_table, plot, sweep
 from .timeline import Compute, Issue, RankTimes, Timeline, Wait, simulate
 
 __all__ = [
     "Case", "Compute", "DEVICES", "FIXED_DEGREES", "Issue", "KernelCostModel", "LinkModel", "METHODS", "RankTimes",
-    "Result", "Shape", "Simulator", "Timeline", "Wait", "build_plan", "degree_check", "format_table", "plot",
+    "Result", "Shape", "Simulator", "Timeline", "Wait", "build_plan", "degree_check", "dq_add_s", "merge_s", "format_table", "plot",
     "simulate", "simulate_magi", "simulate_ring", "simulate_ulysses", "simulate_usp", "sweep",
 ]
