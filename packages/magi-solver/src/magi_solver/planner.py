@@ -133,8 +133,9 @@ class DistAttnPlan:
     # -- overlap stages ------------------------------------------------------------------------
     def _remote_rows_s(self, rank: int, ranges: AttnRanges, intra_s: float, inter_s: float) -> dict[int, float]:
         """Wire seconds of ``ranges`` to ``rank`` per source rank: rows held on its own node at the
-        intra-node rate, the rest at the inter-node rate (split at the dispatch chunks that own them)."""
-        cs, per_node = self.dispatch.chunk_size, self.overlap_config.ranks_per_node
+        intra-node rate, the rest at the inter-node rate (split at the K/V dispatch's chunks, which
+        own them: the query dispatch's in self-attention, the K/V side's in cross-attention)."""
+        cs, per_node = self.kv_dispatch.chunk_size, self.overlap_config.ranks_per_node
         node = rank // per_node
         out: dict[int, float] = {}
         for r in ranges:
