@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 from magi_kernels import KernelConfig  # noqa: E402
 from magi_kernels import triton_backend as tb  # noqa: E402
 from magi_kernels.slice_bounds_jit import key_row_bounds, row_bounds  # noqa: E402
-from magi_kernels.testing import dense_attention, dense_mask  # noqa: E402
+from magi_kernels.testing import dense_attention, dense_mask, dense_max_logits  # noqa: E402
 
 CASES = {
     "mixed_overlapping": mask_cases()["mixed_overlapping"],
@@ -110,9 +110,15 @@ def main() -> int:
             qr = torch.tensor([s[:2] for s in slices], dtype=torch.int32)
             kr = torch.tensor([s[2:4] for s in slices], dtype=torch.int32)
             tm = torch.tensor([s[4] for s in slices], dtype=torch.int32)
-            out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, cap, True, config)
+            row_max = torch.full((S, hq), float("-inf"))  # max logits (QK-clip) ride along every case
+            out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, cap, True, config, None, row_max)
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             ro, rl = dense_attention(q64, k64, v64, dense_mask(slices, S, S), softcap=cap)
+            ref_max = dense_max_logits(q64.detach(), k64.detach(), dense_mask(slices, S, S), softcap=cap)
+            got_max = row_max.amax(dim=0).double()
+            if not torch.equal(torch.isfinite(got_max), torch.isfinite(ref_max)):
+                print(f"FAIL {name}: heads without logits differ: {got_max} vs {ref_max}")
+                return 1
             go = torch.randn(ro.shape, generator=g, dtype=torch.float64)
             gl = torch.randn(rl.shape, generator=g, dtype=torch.float64)
             fin = torch.isfinite(rl)
@@ -128,6 +134,8 @@ def main() -> int:
                 "dq": (dq.double() - q64.grad).abs().max().item(),
                 "dk": (dk.double() - k64.grad).abs().max().item(),
                 "dv": (dv.double() - v64.grad).abs().max().item(),
+                "max_logits": (got_max - ref_max)[torch.isfinite(ref_max)].abs().max().item()
+                if torch.isfinite(ref_max).any() else 0.0,
             }
             worst = max(worst, *errs.values())
             print(name, f"hq={hq} hk={hk} d={d} softcap={cap} tma={tma} dq={dq_mode}", {k_: f"{e:.1e}" for k_, e in errs.items()})

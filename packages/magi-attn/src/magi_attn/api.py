@@ -230,10 +230,11 @@ def _key_fields(key: DistAttnKey) -> list[Field]:
 
 
 def _check_call(rt: DistAttnRuntime, q: torch.Tensor, scale: float, softcap: float, backend: str,
-                needs_grad: bool, value_head_dim: int, sink_shape: tuple[int, ...] | None) -> None:
+                needs_grad: bool, value_head_dim: int, sink_shape: tuple[int, ...] | None,
+                max_logits: bool = False) -> None:
     """Agree across ranks on what a calc_attn call runs with; checked on the first call and again
     whenever a value changes (in a correct program every rank changes it in the same call)."""
-    call = (q.dtype, q.device.type, scale, softcap, backend, needs_grad, value_head_dim, sink_shape)
+    call = (q.dtype, q.device.type, scale, softcap, backend, needs_grad, value_head_dim, sink_shape, max_logits)
     if rt.group is None or rt.plan.cp_size == 1 or rt.agreed_call == call:
         return
     fields = [
@@ -242,6 +243,7 @@ def _check_call(rt: DistAttnRuntime, q: torch.Tensor, scale: float, softcap: flo
         Field("kernel backend", digest(backend), digest=True),
         labelled("autograd (a backward will run)", str(needs_grad), ("False", "True")),
         Field("v head_dim", value_head_dim), Field("sink (shape, or none)", digest(sink_shape), digest=True),
+        labelled("return_max_logits (an all-gather follows)", str(max_logits), ("False", "True")),
     ]
     check_agreement(fields, rt.group, rt.config.comm_timeout_s, _CALL_CHECK)
     rt.agreed_call = call
@@ -473,7 +475,8 @@ def calc_attn(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Distributed attention on dispatched ``q [shard, hq, d]``, ``k [shard, hk, d]`` and
     ``v [shard, hk, dv]`` (``dv != d``, as in MLA, runs zero-padded to the wider head dim: exact,
     at the padded cost; see ``magi_kernels.head_features``).
@@ -482,7 +485,13 @@ def calc_attn(
     every row's softmax denominator with no value (GPT-OSS); applied once per row after all
     stages are merged. Replicated parameter: its gradient here covers this rank's rows.
 
-    Returns local ``out [shard, hq, dv]`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs).
+    ``return_max_logits``: also return, per query head, the largest scaled (and softcapped) logit
+    over the whole global attention matrix (every rank's rows, every stage), fp32 ``[hq]``, the
+    same on every rank (one all-gather of ``hq`` floats per call); for Muon QK-clip. Not
+    differentiable; sinks are not logits of q.k and are not included. Eager mode only.
+
+    Returns local ``out [shard, hq, dv]`` (q's dtype) and ``lse`` (fp32; fp64 for fp64 inputs),
+    and with ``return_max_logits`` the max logits as a third element.
     Differentiable w.r.t. q, k, v and sink; the backward runs the same multi-stage pipeline with
     GroupReduce of dK/dV.
     """
@@ -500,11 +509,29 @@ def calc_attn(
     scale, cap = check_scale_softcap(softmax_scale, softcap, key.head_dim)
     backend = resolve_backend(key.config.kernel_backend, q)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))
-    _check_call(rt, q, scale, cap, backend, needs_grad, v.shape[-1], None if sink is None else tuple(sink.shape))
+    if not isinstance(return_max_logits, bool):
+        raise TypeError(f"return_max_logits must be a bool, got {return_max_logits!r}")
+    if return_max_logits and torch.compiler.is_compiling():
+        raise NotImplementedError("calc_attn(return_max_logits=True) is not supported inside torch.compile yet; call "
+                                  "it eagerly (torch.compiler.disable) or drop it")
+    _check_call(rt, q, scale, cap, backend, needs_grad, v.shape[-1], None if sink is None else tuple(sink.shape),
+                return_max_logits)
     dv, d = v.shape[-1], common_head_dim(q, v)
-    out, lse = DistAttnFunction.apply(*(pad_head_dim(t, d) for t in (q, k, v)), rt, scale, cap, backend)
+    row_max = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device) if return_max_logits else None
+    out, lse = DistAttnFunction.apply(*(pad_head_dim(t, d) for t in (q, k, v)), rt, scale, cap, backend, row_max)
     if dv != d:
         out = out[..., :dv]
     if sink is not None:
         out, lse = apply_sink(out, lse, sink)
-    return out, lse
+    if row_max is None:
+        return out, lse
+    return out, lse, _global_max_logits(row_max, rt)
+
+
+def _global_max_logits(row_max: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
+    """Per head, the max over this rank's rows, then over the group's ranks (an all-gather of
+    ``hq`` floats: gloo and NCCL both take it, and it fails with magi's timeout)."""
+    local = row_max.amax(dim=0) if row_max.shape[0] else row_max.new_full(row_max.shape[1:], float("-inf"))
+    if rt.group is None or rt.plan.cp_size == 1:
+        return local
+    return all_gather_rows(local[None], rt.group, rt.config.comm_timeout_s, "max-logits all-gather").amax(dim=0)

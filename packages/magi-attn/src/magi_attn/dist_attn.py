@@ -24,9 +24,9 @@ def _plan(q, k, args: SliceArgs, backend: str, rt: DistAttnRuntime):
     return args.plan(q, k, rt.config.kernel_config)
 
 
-def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime):
+def _fwd(q, k, v, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime, row_max=None):
     return run_forward(q, k, v, args.q_ranges, args.k_ranges, args.attn_type_map, scale, softcap, backend, True,
-                       rt.config.kernel_config, _plan(q, k, args, backend, rt))
+                       rt.config.kernel_config, _plan(q, k, args, backend, rt), row_max)
 
 
 def _bwd(do, q, k, v, out, lse, dlse, args: SliceArgs, scale, softcap, backend, rt: DistAttnRuntime):
@@ -40,7 +40,9 @@ def _split_kv(kv: torch.Tensor, hk: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class DistAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: DistAttnRuntime, scale: float, softcap: float, backend: str):
+    def forward(ctx, q, k, v, rt: DistAttnRuntime, scale: float, softcap: float, backend: str, row_max=None):
+        """``row_max``: fp32 ``[shard, hq]`` max-merged in place with each row's largest scaled
+        logit over all stages (``calc_attn(return_max_logits=True)``)."""
         hk = k.shape[1]
         host, stages, merged = rt.slice_args()
         kv = torch.cat([k, v], dim=1)  # one collective for K and V
@@ -48,16 +50,16 @@ class DistAttnFunction(torch.autograd.Function):
         if rt.no_overlap and n:
             remote = [rt.comm.cast(kv, s).wait() for s in range(n)]
             kv_all = torch.cat([kv, *remote], dim=0)
-            out, lse = _fwd(q, *_split_kv(kv_all, hk), merged, scale, softcap, backend, rt)
+            out, lse = _fwd(q, *_split_kv(kv_all, hk), merged, scale, softcap, backend, rt, row_max)
         else:
             pending = rt.comm.cast(kv, 0) if n else None
-            out, lse = _fwd(q, k, v, host, scale, softcap, backend, rt)
+            out, lse = _fwd(q, k, v, host, scale, softcap, backend, rt, row_max)
             for s in range(n):
                 remote = pending.wait()
                 pending = rt.comm.cast(kv, s + 1) if s + 1 < n else None
                 if stages[s].empty:
                     continue
-                o_s, l_s = _fwd(q, *_split_kv(remote, hk), stages[s], scale, softcap, backend, rt)
+                o_s, l_s = _fwd(q, *_split_kv(remote, hk), stages[s], scale, softcap, backend, rt, row_max)
                 out, lse = merge_out_lse(out, lse, o_s, l_s)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -105,4 +107,4 @@ class DistAttnFunction(torch.autograd.Function):
             for r in reduces:
                 r.wait()
         dk, dv = _split_kv(dkv, hk)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

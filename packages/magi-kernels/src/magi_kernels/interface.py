@@ -105,14 +105,16 @@ def ffa_fwd(
 
 
 def _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out=False,
-                  config: KernelConfig | None = None, plan: AttentionPlan | None = None):
-    """The forward on ``backend`` (the custom op's body; the eager autograd path calls it directly)."""
+                  config: KernelConfig | None = None, plan: AttentionPlan | None = None,
+                  row_max: torch.Tensor | None = None):
+    """The forward on ``backend`` (the custom op's body; the eager autograd path calls it directly).
+    ``row_max``: fp32 ``[tq, hq]``, max-merged in place with each row's largest scaled logit."""
     if backend == "triton":
         tri = _triton_module()
         return tri.ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out, config,
-                               plan)
+                               plan, row_max)
     return reference.ffa_forward(
-        q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, acc_out
+        q, k, v, _host_slices(q_ranges, k_ranges, attn_type_map), softmax_scale, softcap, acc_out, row_max
     )
 
 
@@ -155,18 +157,33 @@ def _(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_sc
 
 def run_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale: float, softcap: float, backend: str,
                 acc_out: bool = False, kernel_config: KernelConfig | None = None,
-                plan: AttentionPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                plan: AttentionPlan | None = None, row_max: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ffa_fwd`` without autograd for callers that build their own (context-parallel stages):
     the custom op where a ``torch.compile`` graph records it, its body directly in eager mode
     (the dispatcher costs tens of microseconds of host time per call). ``kernel_config``: None
     for the process default (``default_kernel_config``) or the plan's; ``plan``: a plan of these
-    inputs (``plan_attention``; the GPU backend runs it, a ``torch.compile`` graph re-plans)."""
+    inputs (``plan_attention``; the GPU backend runs it, a ``torch.compile`` graph re-plans).
+    ``row_max``: fp32 ``[tq, hq]``, max-merged in place with each row's largest scaled logit
+    (eager mode only)."""
     if torch.compiler.is_compiling():
+        _no_max_logits_under_compile(row_max)
         cfg = plan.key.config if plan is not None and kernel_config is None else kernel_config
         return ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out, False,
                        config_json(cfg))
     return _forward_impl(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, backend, acc_out,
-                         kernel_config, plan)
+                         kernel_config, plan, row_max)
+
+
+def _no_max_logits_under_compile(row_max: torch.Tensor | None) -> None:
+    if row_max is not None:
+        raise NotImplementedError("return_max_logits=True is not supported inside torch.compile yet (the kernel op "
+                                  "has no max-logits output); call it eagerly (torch.compiler.disable) or drop it")
+
+
+def new_row_max(q: torch.Tensor) -> torch.Tensor:
+    """An fp32 ``[tq, hq]`` buffer of -inf for the ``row_max`` argument of the forward calls."""
+    return torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def run_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale: float,
@@ -218,14 +235,14 @@ class _EagerFFA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, qr, kr, tm, scale: float, softcap: float, backend: str, config: KernelConfig,
-                plan: AttentionPlan | None):
-        out, lse = _forward_impl(q, k, v, qr, kr, tm, scale, softcap, backend, False, config, plan)
+                plan: AttentionPlan | None, row_max: torch.Tensor | None = None):
+        out, lse = _forward_impl(q, k, v, qr, kr, tm, scale, softcap, backend, False, config, plan, row_max)
         _setup_context(ctx, (q, k, v, qr, kr, tm, scale, softcap, backend, config, plan), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-        return _backward(ctx, dout, dlse)[:11]
+        return (*_backward(ctx, dout, dlse)[:11], None)
 
 
 def flex_flash_attn_func(
@@ -245,7 +262,8 @@ def flex_flash_attn_func(
     sink: torch.Tensor | None = None,
     kernel_config: KernelConfig | None = None,
     plan: AttentionPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention over a list of slices ``(q_range, k_range, mask_type)``.
 
     Args:
@@ -287,12 +305,19 @@ def flex_flash_attn_func(
             refused with an error naming what differs. None: the plan is found in a memo keyed
             on the same values (built at the first call of a mask). With a plan and no
             ``kernel_config``, the plan's config runs.
+        return_max_logits: also return, per query head, the largest scaled logit
+            (``softmax_scale * q.k``, softcapped with ``softcap``) over every unmasked (q, k) cell
+            of this call (Muon QK-clip): fp32 ``[heads_q]``, ``-inf`` for a head that sees no key;
+            sinks and ``out``/``lse`` of earlier calls are not included. Not differentiable.
+            On sm90 at head dim 128 it runs the Triton forward instead of the Gluon one (the
+            Gluon forward has no such output; the README gives the cost). Eager mode only.
 
     Returns:
         ``(out, lse)``: out ``[total_q, heads_q, v_head_dim]`` in q's dtype; lse ``[total_q, heads_q]``
         in fp32 (fp64 for fp64 inputs), natural log, scale (and sink) included. Rows that see no
         key have ``out = 0`` and ``lse = -inf`` (``lse = sink`` with a sink). Differentiable
-        w.r.t. q, k, v, sink (and out/lse if given).
+        w.r.t. q, k, v, sink (and out/lse if given). With ``return_max_logits``:
+        ``(out, lse, max_logits)``.
     """
     check_qkv(q, k, v)
     check_accumulators(out, lse, q, v.shape[-1])
@@ -308,8 +333,12 @@ def flex_flash_attn_func(
                             f"{type(plan).__name__}")
         if kernel_config is None:
             kernel_config = plan.key.config
+    if not isinstance(return_max_logits, bool):
+        raise TypeError(f"return_max_logits must be a bool, got {return_max_logits!r}")
+    row_max = new_row_max(q) if return_max_logits else None
     if torch.compiler.is_compiling():  # a graph cannot read the ranges: the op checks them when it runs
         # (nor hold a plan: the op finds the memoised plan of its inputs)
+        _no_max_logits_under_compile(row_max)
         o, lse_new = ffa_fwd(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, False, check_ranges,
                              config_json(kernel_config))
     else:
@@ -319,7 +348,7 @@ def flex_flash_attn_func(
         if plan is not None and be != "triton":  # the torch backend has no launches to plan: check the inputs
             call_plan(q, k, st.q_ranges, st.k_ranges, st.attn_type_map, config, plan)
         o, lse_new = _EagerFFA.apply(q, k, v, st.q_ranges, st.k_ranges, st.attn_type_map, scale, cap, be, config,
-                                     plan)
+                                     plan, row_max)
     if dv != d:
         o = o[..., :dv]
     if out is not None:
@@ -327,4 +356,6 @@ def flex_flash_attn_func(
         o, lse_new = merge_out_lse(out, lse, o, lse_new)
     if sink is not None:
         o, lse_new = apply_sink(o, lse_new, sink)
+    if row_max is not None:
+        return o, lse_new, row_max.amax(dim=0) if row_max.shape[0] else row_max.new_full(row_max.shape[1:], float("-inf"))
     return o, lse_new

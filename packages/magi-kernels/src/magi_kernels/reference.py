@@ -67,9 +67,11 @@ def ffa_forward(
     softmax_scale: float,
     softcap: float = 0.0,
     acc_out: bool = False,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``out [tq, hq, d]`` (q.dtype, or the accumulator dtype with ``acc_out``) and
-    ``lse [tq, hq]`` (fp32, fp64 for fp64 input)."""
+    ``lse [tq, hq]`` (fp32, fp64 for fp64 input). ``row_max`` (``[tq, hq]``): max-merged in
+    place with each row's largest scaled (and softcapped) logit over its unmasked keys."""
     tq, hq, d = q.shape
     hk = k.shape[1]
     cd = acc_dtype(q.dtype)
@@ -80,6 +82,9 @@ def ffa_forward(
         for a, b, k0, k1, mask in _blocks(qs, qe, ks, ke, t, hq):
             s, _ = _scores(qc[a:b], kc[k0:k1], softmax_scale, softcap)
             s = s.masked_fill(~mask.to(q.device), float("-inf"))
+            if row_max is not None:
+                blk_max = s.amax(dim=-1).permute(2, 0, 1).reshape(b - a, hq)
+                row_max[a:b] = torch.maximum(row_max[a:b], blk_max.to(row_max.dtype))
             blk_lse = torch.logsumexp(s, dim=-1)  # [hk, g, rows]
             p = torch.exp(s - torch.where(torch.isfinite(blk_lse), blk_lse, 0.0).unsqueeze(-1))
             o = torch.einsum("hgqk,khd->qhgd", p, vc[k0:k1]).reshape(b - a, hq, d)

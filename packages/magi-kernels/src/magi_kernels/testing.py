@@ -55,3 +55,15 @@ def dense_attention(
     p = torch.where(mask[None], p, torch.zeros_like(p))
     out = torch.einsum("hqk,khd->qhd", p, vv)
     return out, lse.transpose(0, 1)
+
+
+def dense_max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, softmax_scale: float | None = None,
+                     softcap: float = 0.0) -> torch.Tensor:
+    """Per query head, the largest scaled (and softcapped) logit over the unmasked cells of
+    ``mask`` (``[hq]``, -inf for a head without any), in q's dtype: the max-logits reference."""
+    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(hq // hk, dim=1)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    return s.masked_fill(~mask[None], float("-inf")).flatten(1).amax(dim=1)

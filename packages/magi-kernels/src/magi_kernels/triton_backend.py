@@ -24,13 +24,14 @@ Importable without triton; ``AVAILABLE`` says whether it can run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from . import gluon_bwd, gluon_common, gluon_fwd
 from . import plan as planning
-from .kernel_config import KernelConfig
+from .kernel_config import KernelConfig, resolve_kernel_config
 from .plan import SUPPORTED_HEAD_DIMS, AttentionPlan, DeviceCaps, call_plan, kernel_head_dim
 
 LOG2E = 1.4426950408889634
@@ -177,10 +178,10 @@ if AVAILABLE:
 
     @triton.jit
     def _fwd_kernel(
-        Q, K, V, KD, VD, O, LSE, META, TILES, MEMBERS,
+        Q, K, V, KD, VD, O, LSE, ROWMAX, META, TILES, MEMBERS,
         HQ, qk_scale, cap_in, cap_out,
         GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, ACCUM: tl.constexpr, TMA: tl.constexpr, HAS_ROWMAX: tl.constexpr,
     ):
         h, m0, t_end, first, count, rows, rmask, base, loc, q, Kp, Vp = _q_tile(
             Q, K, V, TILES, tl.program_id(0), HQ, GROUP, BM, D)
@@ -208,6 +209,10 @@ if AVAILABLE:
             o = (old_o * wa[:, None] + o * wb[:, None]) / den_safe[:, None]
         tl.store(optr, o.to(O.dtype.element_ty), mask=rmask[:, None])
         tl.store(lptr, lse, mask=rmask)
+        if HAS_ROWMAX:  # the row's largest scaled logit (m_i is in base 2), max-merged into what is there
+            mptr = ROWMAX + m0.to(tl.int64) * HQ + h + tl.arange(0, BM) * HQ
+            old_m = tl.load(mptr, mask=rmask, other=float("-inf"))
+            tl.store(mptr, tl.maximum(old_m, m_i * 0.6931471805599453), mask=rmask)
 
     @triton.jit
     def _bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, n_rows, HQ, T, D: tl.constexpr, BR: tl.constexpr):
@@ -443,17 +448,24 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap, acc_out=False,
-                config: KernelConfig | None = None, plan: AttentionPlan | None = None):
+                config: KernelConfig | None = None, plan: AttentionPlan | None = None,
+                row_max: torch.Tensor | None = None):
     """The forward: (out, lse). ``config``: tiles and pipeline choices (None: the process
     default, ``default_kernel_config``, or the plan's); ``plan``: a plan of these inputs
-    (``plan_attention``; None: the memoised one)."""
+    (``plan_attention``; None: the memoised one). ``row_max``: fp32 ``[tq, hq]``, max-merged in
+    place with each row's largest scaled logit (QK-clip's max logits); the Gluon forward has no
+    such output, so these calls run the Triton forward."""
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:  # zero-padded head dim (kernel_head_dim); scale stays the caller's
         out, lse = ffa_forward(*_pad_head_dim(q, k, v), q_ranges, k_ranges, attn_type_map, softmax_scale, softcap,
-                               acc_out, config, plan)
+                               acc_out, config, plan, row_max)
         return out[..., :d].contiguous(), lse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     fp = call_plan(q, k, q_ranges, k_ranges, attn_type_map, config, plan).forward
+    if row_max is not None and fp.kernel == "gluon":
+        base = config if config is not None else plan.key.config if plan is not None else None
+        triton_fwd = dataclasses.replace(resolve_kernel_config(base), gluon_fwd=False)
+        fp = call_plan(q, k, q_ranges, k_ranges, attn_type_map, triton_fwd, None).forward
     tq, hq, d = q.shape
     hk = k.shape[1]
     if fp.kernel == "gluon" or fp.tma:
@@ -473,9 +485,10 @@ def ffa_forward(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softc
         kd, vd = _descriptor(k, BN, fp.tma), _descriptor(v, BN, fp.tma)
         for li, layer in enumerate(fp.layers):
             _fwd_kernel[(layer.n * hq,)](
-                q, k, v, kd, vd, out, lse, fp.meta, layer.tiles, layer.members, hq, qk_scale, cap_in, cap_out,
+                q, k, v, kd, vd, out, lse, lse if row_max is None else row_max, fp.meta, layer.tiles, layer.members,
+                hq, qk_scale, cap_in, cap_out,
                 GROUP=hq // hk, BM=BM, BN=BN, D=d, HAS_SOFTCAP=softcap > 0, ACCUM=li > 0, TMA=fp.tma,
-                num_warps=warps, num_stages=stages,
+                HAS_ROWMAX=row_max is not None, num_warps=warps, num_stages=stages,
             )
     return (out if acc_out or out.dtype == q.dtype else out.to(q.dtype)), lse
 
