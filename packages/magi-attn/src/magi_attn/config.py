@@ -43,7 +43,7 @@ class DistAttnConfig:
             (:func:`magi_comm.add_rows`; with ``comm_backend="ipc"`` the reduce runs over
             all-to-all) and the kernels take their deterministic backward (the Triton backward
             with separate dQ programs, as under ``torch.use_deterministic_algorithms(True)``,
-            which also turns this on). Costs are measured in the README's deterministic section.
+            which also turns this on). What it changes and costs: docs/tuning.md, "Deterministic mode".
     """
 
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)

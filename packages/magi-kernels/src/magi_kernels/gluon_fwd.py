@@ -3,13 +3,13 @@
 Persistent: one program per SM runs a queue of (query tile, query head) items, on the same
 tile tables as ``triton_backend`` (so overlapping slices, members and layers work unchanged).
 The items are taken KV-major: the tiles of one KV head's query heads, then the next KV head, so
-the resident programs share one KV head's K/V in L2 (v15: +3-5 % at 16k, +4-7 % at 32k over
-each tile for every head; v22/v24 on an H100: tile-major lost 2-6 % on full and causal). Each
+the resident programs share one KV head's K/V in L2 (+3-5 % at 16k, +4-7 % at 32k over
+each tile for every head; on an H100 tile-major lost 2-6 % on full and causal). Each
 SM's queue holds the items the list schedule of that order gives it
 (``program_order.list_queues``); the ring position and the ping-pong rounds run on from one
 item to the next, and a ``q_empty`` barrier hands the query buffer back to the loader, which
 loads the next item's query rows and first key blocks while the consumers finish the current
-one (x1.00-1.08 over one program per item on an H100, most on packed documents: v19, v22, v24).
+one (x1.00-1.08 over one program per item on an H100, most on packed documents).
 The program forks into:
 
 * a loader warp (24 registers) that TMA-loads each item's query tile, then every key block of
@@ -19,7 +19,7 @@ The program forks into:
   online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
   j, so the softmax of one block overlaps the tensor cores' work on the other (FA3's intra-
   warpgroup overlap; the softmax sits whole in each branch of the partial-block test, or ptxas
-  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch, v15); with
+  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch); with
   ping-pong the two warpgroups also issue their
   matmuls in alternate rounds, so one's softmax runs while the other's matmuls hold the
   tensor cores.
@@ -189,7 +189,7 @@ if AVAILABLE:
         """``_softmax`` of block ``t``, element-masked when the block is partial (outside the
         full run [b1, b2)). Each branch holds a whole softmax, so the wait for the previous
         P V that follows sits after the branches' join, where ptxas cannot hoist it above the
-        softmax. With the mask alone in the branch (v8-v14) ptxas placed that wait right after
+        softmax. With the mask alone in the branch ptxas placed that wait right after
         the branch, before the row max: P V no longer overlapped the softmax."""
         partial = (t < b1) | (t >= b2)
         if partial:

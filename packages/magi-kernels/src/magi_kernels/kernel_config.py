@@ -1,7 +1,7 @@
 """Kernel tuning as typed configuration: :class:`KernelConfig`.
 
 Every tile size and pipeline choice of the GPU kernels is a field of one frozen, validated
-dataclass. Its defaults are the measured fastest settings (docs/notes/kernel_measurements.md);
+dataclass. Its defaults are the measured fastest settings (docs/performance.md, docs/design.md);
 ``None`` / ``"auto"`` leave a choice to the backend, which decides per head dim and GPU as
 described on each field. A config is passed to ``flex_flash_attn_func(..., kernel_config=)``,
 carried by ``magi_attn.DistAttnConfig.kernel`` (and so checked across ranks), or held in a plan
@@ -87,7 +87,7 @@ class GluonBwdTiles(NamedTuple):
     stages: int
 
 
-# Measured per head dim (docs/notes/kernel_measurements.md). The Triton backward's dK/dV
+# Measured per head dim (tile sweeps, bench/sweep_tiles.py). The Triton backward's dK/dV
 # tiles: block_n keys per program, block_m query rows per step.
 TUNED_TRITON_FWD: dict[int, TritonTiles] = {64: TritonTiles(128, 64, 4, 3), 128: TritonTiles(128, 64, 8, 3),
                                             256: TritonTiles(64, 32, 4, 3)}
@@ -348,20 +348,20 @@ def _choice(env: Mapping[str, str], var: str, default: str, choices: tuple[str, 
     return raw
 
 
-# Switches of kernel variants that lost their A/B and were removed (issue 41; the measurements
-# are in docs/notes/kernel_measurements.md): what the kernels do now, whatever the switch says.
+# Switches of kernel variants that lost their A/B and were removed (issue 41; docs/design.md,
+# "Variants measured and removed"): what the kernels do now, whatever the switch says.
 REMOVED_SWITCHES: dict[str, str] = {
-    "MAGI_GLUON_BWD_SCORES": "always key-major scores, S^T = K Q^T; notes v12",
-    "MAGI_GLUON_BWD_DQ_FIRST": "always dK issued before dQ; notes v10, v13",
-    "MAGI_GLUON_BWD_DS_SYNC": "always the dS exchange without a release barrier, 'implied'; notes v24",
-    "MAGI_GLUON_BWD_WALK": "always the head walk, 'head'; notes v14, v24",
+    "MAGI_GLUON_BWD_SCORES": "always key-major scores, S^T = K Q^T",
+    "MAGI_GLUON_BWD_DQ_FIRST": "always dK issued before dQ",
+    "MAGI_GLUON_BWD_DS_SYNC": "always the dS exchange without a release barrier, 'implied'",
+    "MAGI_GLUON_BWD_WALK": "always the head walk, 'head'",
     "MAGI_GLUON_BWD_TRACE": "the per-program trace was removed",
-    "MAGI_GLUON_FWD_JOIN": "always the softmax in both branches of the partial-block test; notes v15",
-    "MAGI_GLUON_FWD_ORDER": "always the KV-major order, 'kv'; notes v15, v22, v24",
-    "MAGI_GLUON_FWD_PERSIST": "always the persistent forward; notes v19, v22, v24",
-    "MAGI_TRITON_WS": "never a warp-specialised forward loop; notes v4",
-    "MAGI_TRITON_BWD_WS": "never warp-specialised backward loops; notes v6",
-    "MAGI_TRITON_BWD_FUSE": "always dK/dV and dQ in one launch where the layers allow it; notes v4",
+    "MAGI_GLUON_FWD_JOIN": "always the softmax in both branches of the partial-block test",
+    "MAGI_GLUON_FWD_ORDER": "always the KV-major order, 'kv'",
+    "MAGI_GLUON_FWD_PERSIST": "always the persistent forward",
+    "MAGI_TRITON_WS": "never a warp-specialised forward loop",
+    "MAGI_TRITON_BWD_WS": "never warp-specialised backward loops",
+    "MAGI_TRITON_BWD_FUSE": "always dK/dV and dQ in one launch where the layers allow it",
 }
 
 

@@ -42,7 +42,7 @@ __all__ = ["AttentionPlan", "BackwardPlan", "DeviceCaps", "ForwardPlan", "PlanKe
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head dims the kernels are compiled for
 # head dims whose Triton forward loads full K/V blocks through TMA descriptors on sm90+ (measured
-# faster with the 128x128 tile; docs/notes/kernel_measurements.md)
+# faster with the 128x128 tile; docs/design.md, "Triton kernels")
 TMA_FWD_HEAD_DIMS = (128,)
 GLUON_FWD_DEFAULT_HEAD_DIMS = (128,)  # where the Gluon forward is the default (measured faster than Triton's)
 GLUON_BWD_DEFAULT_HEAD_DIMS = (128,)  # where the Gluon backward is the default
@@ -381,7 +381,7 @@ def _plan_backward(key: PlanKey) -> BackwardPlan:
     else:
         q_meta, q_layers, q_cov = kv_meta, [], False
     # dK/dV and dQ programs in one launch where one layer on each axis allows it (no tail between
-    # them, both kinds resident together; docs/notes/kernel_measurements.md)
+    # them, both kinds resident together: 358 against 330 TFLOP/s at 16k full on an H100)
     fused = (len(kv_layers) == 1 and len(q_layers) == 1
              and (dkdv.num_warps, dkdv.num_stages) == (dq_tiles.num_warps, dq_tiles.num_stages))
     return BackwardPlan("triton", dkdv, dq_tiles, mode, kv_meta, tuple(kv_layers), kv_cov,
