@@ -401,7 +401,7 @@ def prepare_cp_batch(
         input_ids=dispatch(input_ids[0], key).unsqueeze(0),
         position_ids=doc_pos[global_rows].unsqueeze(0),
         labels=labels,
-        local_labels=dispatch(labels[0], key, pad_value=-100).unsqueeze(0),
+        local_labels=dispatch(labels[0], key).unsqueeze(0),
         documents=tuple((int(a), int(b), int(a)) for a, b in zip(cu_seqlens, cu_seqlens[1:]) if b > a),
     )
 

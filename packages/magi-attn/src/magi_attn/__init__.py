@@ -17,7 +17,7 @@ import logging
 import os
 
 from magi_kernels import flex_flash_attn_func
-from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig, compute_pad_size
+from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig
 
 from .api import (
     DistAttnKey,
@@ -48,7 +48,7 @@ if _level:
 
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "DispatchConfig", "DistAttnConfig", "DistAttnKey",
-    "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
+    "OverlapConfig", "calc_attn", "clear_cache", "dispatch", "flex_flash_attn_func",
     "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_flex_key_for_new_mask",
     "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch", "undispatch",

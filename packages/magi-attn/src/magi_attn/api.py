@@ -363,63 +363,59 @@ def _check_key(key: object, fn: str, name: str = "key") -> None:
 
 
 def get_position_ids(key: DistAttnKey) -> torch.Tensor:
-    """Global positions of this rank's dispatched tokens (for RoPE); padding gets the last one."""
+    """Global positions of this rank's dispatched tokens (for RoPE)."""
     return key.runtime.position_ids.clone()
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rt: DistAttnRuntime, pad_value: float):
+    def forward(ctx, x, rt: DistAttnRuntime):
         ctx.rt = rt
-        pad = rt.padded_seqlen - x.shape[0]
-        if pad:
-            x = torch.cat([x, x.new_full((pad, *x.shape[1:]), pad_value)], dim=0)
         return x.index_select(0, on_device(rt.local_index, x.device))
 
     @staticmethod
     def backward(ctx, grad):
-        rt = ctx.rt
-        full = _gather_unpermute(grad.contiguous(), rt)
-        return full[: rt.total_seqlen], None, None
+        return _gather_unpermute(grad.contiguous(), ctx.rt), None
 
 
 def _gather_unpermute(x_local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
+    """Every rank's shard, in global order. Shards may differ in length: each is sent padded to
+    the largest one (at most one chunk more) and the padding rows are dropped on arrival."""
+    pad = rt.gather_rows - x_local.shape[0]
+    if pad and rt.plan.cp_size > 1:
+        x_local = torch.cat([x_local, x_local.new_zeros((pad, *x_local.shape[1:]))])
     gathered = all_gather_rows(x_local, rt.group, rt.config.comm_timeout_s, "all-gather of dispatched rows")
-    out = torch.empty_like(gathered)
-    out.index_copy_(0, on_device(rt.perm, x_local.device), gathered)
-    return out
+    return gathered.index_select(0, on_device(rt.gather_index, x_local.device))
 
 
 class _Undispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, rt: DistAttnRuntime):
         ctx.rt = rt
-        return _gather_unpermute(x_local.contiguous(), rt)[: rt.total_seqlen]
+        return _gather_unpermute(x_local.contiguous(), rt)
 
     @staticmethod
     def backward(ctx, grad):
-        rt = ctx.rt
-        pad = rt.padded_seqlen - grad.shape[0]
-        if pad:
-            grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
-        return grad.index_select(0, on_device(rt.local_index, grad.device)), None
+        return grad.index_select(0, on_device(ctx.rt.local_index, grad.device)), None
 
 
-def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch.Tensor:
+def dispatch(x: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     """This rank's tokens of a global sequence-major tensor ``[total_seqlen, ...]`` (the same on
-    every rank), padded and permuted as planned. Backward all-gathers the gradient."""
+    every rank), permuted as planned: ``[key.shard_seqlen, ...]``, where ranks may hold different
+    token counts (no padding). Backward all-gathers the gradient."""
     _check_key(key, "dispatch")
     if x.shape[0] != key.total_seqlen:
         raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen), got {x.shape[0]}")
-    return _Dispatch.apply(x, key.runtime, pad_value)
+    return _Dispatch.apply(x, key.runtime)
 
 
 def undispatch(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
-    """Inverse of :func:`dispatch`: gather every rank's shard and restore global order (unpadded)."""
+    """Inverse of :func:`dispatch`: gather every rank's shard and restore global order."""
     _check_key(key, "undispatch")
     rt = key.runtime
     if x_local.shape[0] != rt.shard_seqlen:
-        raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (shard_seqlen), got {x_local.shape[0]}")
+        raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (this rank's shard_seqlen), "
+                         f"got {x_local.shape[0]}")
     return _Undispatch.apply(x_local, rt)
 
 

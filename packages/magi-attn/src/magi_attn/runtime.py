@@ -40,18 +40,20 @@ class DistAttnRuntime:
     def __init__(self, plan: DistAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig):
         self.plan, self.rank, self.group, self.config = plan, rank, group, config
         d = plan.dispatch
-        cs = d.chunk_size
-        self.shard_seqlen = d.shard_seqlen
+        self.shard_seqlens = d.shard_seqlens  # ranks may hold different token counts (no padding)
+        self.shard_seqlen = self.shard_seqlens[rank]
         self.total_seqlen = d.total_seqlen
-        self.padded_seqlen = d.padded_seqlen
-        chunk_rows = torch.arange(cs, dtype=torch.long)
-        per_rank = [
-            (torch.tensor(part, dtype=torch.long)[:, None] * cs + chunk_rows[None, :]).reshape(-1)
-            for part in d.partitions
-        ]
-        self.local_index = per_rank[rank]  # global padded row of each local row
-        self.perm = torch.cat(per_rank)  # dispatched order (rank-major) -> global padded row
-        self.position_ids = self.local_index.clamp(max=max(d.total_seqlen - 1, 0))
+        # global row of each local row, per rank
+        self.rank_rows = [torch.tensor(d.position_ids(r), dtype=torch.long) for r in range(d.cp_size)]
+        self.local_index = self.rank_rows[rank]
+        self.position_ids = self.local_index
+        # dispatch's all-gather moves equal blocks of the largest shard's rows (gloo's all_gather
+        # takes equal sizes only); gather_index[g] is global row g's place in that gathered buffer
+        self.gather_rows = max(self.shard_seqlens)
+        gather_index = torch.empty(d.total_seqlen, dtype=torch.long)
+        for r, rows in enumerate(self.rank_rows):
+            gather_index[rows] = torch.arange(rows.numel(), dtype=torch.long) + r * self.gather_rows
+        self.gather_index = gather_index
         calc = plan.calc_plan(rank)
         self.calc = calc
         self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]

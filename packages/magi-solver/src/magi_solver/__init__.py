@@ -1,7 +1,7 @@
 """magi-solver: pure-Python planning for distributed attention with arbitrary masks."""
 
 from .comm_plan import GroupCastPlan, GroupReducePlan
-from .dispatch import DispatchConfig, DispatchPlan, auto_chunk_size, compute_pad_size, solve_dispatch
+from .dispatch import DispatchConfig, DispatchPlan, auto_chunk_size, max_chunk_size, solve_dispatch
 from .mask import AttnMaskType, AttnSlice, Band, slice_area, slice_ranges, total_area, validate_slices
 from .mask_builders import (
     block_causal_slices,
@@ -22,7 +22,7 @@ __version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads 
 __all__ = [
     "AttnMaskType", "AttnRange", "AttnRanges", "AttnSlice", "Band", "DispatchConfig", "DispatchPlan",
     "DistAttnPlan", "GroupCastPlan", "GroupReducePlan", "OverlapConfig", "RankCalcPlan",
-    "auto_chunk_size", "block_causal_slices", "causal_slices", "check_positive_int", "compute_pad_size", "full_slices", "local_slices", "slices_over",
+    "auto_chunk_size", "block_causal_slices", "causal_slices", "check_positive_int", "full_slices", "local_slices", "max_chunk_size", "slices_over",
     "shared_prefix_slices", "slice_area", "slice_ranges", "sliding_window_slices", "solve_dispatch", "total_area",
     "validate_slices", "varlen_slices",
 ]

@@ -106,7 +106,8 @@ class DistAttnPlan:
 
     # -- KV needs ------------------------------------------------------------------------------
     def _rank_bands(self, rank: int) -> list[tuple[int, Band]]:
-        """(local q offset delta, global band) of every band of the rank's chunks."""
+        """(local q offset delta, global band) of every band of the rank's chunks (a chunk at
+        position ``pos`` of its rank starts at local row ``pos * chunk_size``: see DispatchPlan)."""
         cs = self.dispatch.chunk_size
         out = []
         for pos, c in enumerate(self.dispatch.partitions[rank]):
@@ -188,7 +189,7 @@ class DistAttnPlan:
             for g in self.stage_ranges[stage][dst].intersect(host):
                 loc = self._to_local(rank, g)
                 pieces.append((loc.start, loc.end, dst))
-        in_sizes, dsts = segments_with_destinations(self.dispatch.shard_seqlen, pieces)
+        in_sizes, dsts = segments_with_destinations(self.dispatch.shard_seqlens[rank], pieces)
         out_sizes: list[int] = []
         src: list[int] = []
         for r in self.stage_ranges[stage][rank]:
@@ -235,10 +236,12 @@ class DistAttnPlan:
         d = self.dispatch
         return {
             "total_seqlen": d.total_seqlen,
-            "padded_seqlen": d.padded_seqlen,
             "chunk_size": d.chunk_size,
             "num_chunks": d.num_chunks,
             "cp_size": self.cp_size,
+            "shard_seqlens": list(d.shard_seqlens),
+            "pad_tokens": sum(d.shard_seqlens) - d.total_seqlen,  # 0: ranks hold the sequence's tokens only
+            "token_imbalance": round(d.token_imbalance(), 4),
             "rank_areas": d.rank_areas(),
             "imbalance": round(d.imbalance(), 4),
             "remote_kv_rows": self.comm_rows(),
