@@ -21,6 +21,7 @@ from magi_solver.ranges import AttnRange
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
 from .checks import check_group_alive, check_not_an_uninitialized_launch, cu_seqlens_list
 from .config import DistAttnConfig
+from .cp_mesh import CPGroup, NodeGroups, clear_resolved_meshes, resolve_cp_group
 from .dist_attn import DistAttnFunction
 from .runtime import DistAttnRuntime
 
@@ -39,7 +40,8 @@ class DistAttnKey:
 
     ``placement``: the mask whose balance placed the tokens (``config.dispatch`` chunks it), when
     that is another key's (see :func:`magi_attn_flex_key_for_new_mask`); None when the tokens are
-    placed for ``slices`` themselves. Keys of equal slices over different placements differ."""
+    placed for ``slices`` themselves. Keys of equal slices over different placements differ.
+    ``node_groups``: the nodes of a 2-D ``cp_group`` mesh, for ``comm_backend="hier"``."""
 
     slices: tuple[SliceTuple, ...]
     total_seqlen: int
@@ -51,6 +53,7 @@ class DistAttnKey:
     config: DistAttnConfig
     group: Any = field(default=None, compare=False, hash=False, repr=False)
     placement: tuple[SliceTuple, ...] | None = None
+    node_groups: NodeGroups | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def runtime(self) -> DistAttnRuntime:
@@ -67,14 +70,14 @@ class DistAttnKey:
 
 
 def _cache_id(key: DistAttnKey) -> tuple:
-    return (key, id(key.group))
+    return (key, id(key.group), id(key.node_groups))
 
 
 def _get_runtime(key: DistAttnKey) -> DistAttnRuntime:
     cid = _cache_id(key)
     rt = _RUNTIMES.get(cid)
     if rt is None:
-        rt = DistAttnRuntime(_plan(key), key.cp_rank, key.group, key.config)
+        rt = DistAttnRuntime(_plan(key), key.cp_rank, key.group, key.config, key.node_groups)
         _RUNTIMES[cid] = rt
         while len(_RUNTIMES) > _CACHE_SIZE:
             _RUNTIMES.popitem(last=False)
@@ -105,12 +108,14 @@ def clear_cache() -> None:
     _RUNTIMES.clear()
     _MOST_RECENT.clear()
     clear_shared_collectives()
+    clear_resolved_meshes()
 
 
 atexit.register(clear_cache)
 
 
 def _group_info(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(size, rank) of a resolved cp_group (see :func:`resolve_cp_group`)."""
     if cp_group is None:
         check_not_an_uninitialized_launch()
         return 1, 0
@@ -144,13 +149,15 @@ def magi_attn_flex_key(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CPGroup = None,
     dist_attn_config: DistAttnConfig = DistAttnConfig(),
 ) -> DistAttnKey:
     """Plan distributed attention for an arbitrary mask given as slices in global coordinates.
 
-    ``cp_group=None`` means a single rank (no communication, no process group needed). The plan
-    is built (and cached) on first use; every rank of the group builds the same plan.
+    ``cp_group``: a process group, a ``DeviceMesh`` (1-D; or 2-D with dims named ``"inter"``
+    and ``"intra"``: nodes and the ranks of a node, whose groups ``comm_backend="hier"`` then
+    uses), or None for a single rank (no communication, no process group needed). The plan is
+    built (and cached) on first use; every rank of the group builds the same plan.
     """
     if total_seqlen_q != total_seqlen_k:
         raise NotImplementedError(
@@ -164,16 +171,22 @@ def magi_attn_flex_key(
     if not isinstance(dist_attn_config, DistAttnConfig):
         raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
     slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
-    cp_size, cp_rank = _group_info(cp_group)
+    group, node_groups = resolve_cp_group(cp_group)
+    cp_size, cp_rank = _group_info(group)
     return _make_key(DistAttnKey(
         tuple(s.to_tuple() for s in slices), int(total_seqlen_q), num_heads_q, num_heads_kv, head_dim,
-        cp_size, cp_rank, dist_attn_config, cp_group,
+        cp_size, cp_rank, dist_attn_config, group, node_groups=node_groups,
     ))
 
 
 def _make_key(key: DistAttnKey) -> DistAttnKey:
     """Plan ``key`` now (validation errors surface here, not inside the model), check that every
     rank of its group holds the same key, and make it the group's most recent."""
+    ng, rpn = key.node_groups, key.config.ranks_per_node
+    if ng is not None and key.config.comm_backend == "hier" and rpn not in (None, ng.ranks_per_node):
+        raise ValueError(f"dist_attn_config.ranks_per_node={rpn} disagrees with the cp_group mesh, whose 'intra' dim "
+                         f"has {ng.ranks_per_node} ranks; leave ranks_per_node=None with a 2-D mesh (its dims say "
+                         "where the nodes are)")
     _get_runtime(key)
     if key.cp_size > 1:
         check_agreement(_key_fields(key), key.group, key.config.comm_timeout_s, _KEY_CHECK)
@@ -222,7 +235,7 @@ def magi_attn_varlen_key(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CPGroup = None,
     *,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
@@ -345,13 +358,16 @@ def _new_mask_key(base_key: DistAttnKey, slices: list[AttnSlice], config: DistAt
         tuples, total, base_key.num_heads_q, base_key.num_heads_kv, base_key.head_dim,
         base_key.cp_size, base_key.cp_rank, config, base_key.group,
         None if tuples == placement else placement,  # the base's own mask: a plain key of the same plan
+        node_groups=base_key.node_groups,
     ))
 
 
-def get_most_recent_key(cp_group: dist.ProcessGroup | None = None) -> DistAttnKey:
-    if id(cp_group) not in _MOST_RECENT:
+def get_most_recent_key(cp_group: CPGroup = None) -> DistAttnKey:
+    """The last key made for ``cp_group`` (a process group, a DeviceMesh or None)."""
+    group, _ = resolve_cp_group(cp_group)
+    if id(group) not in _MOST_RECENT:
         raise KeyError("no key was made for this cp_group yet; call magi_attn_flex_key / magi_attn_varlen_key first")
-    return _MOST_RECENT[id(cp_group)]
+    return _MOST_RECENT[id(group)]
 
 
 def _check_key(key: object, fn: str, name: str = "key") -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from magi_solver import DistAttnPlan, GroupCastPlan, GroupReducePlan
 
 from .config import DistAttnConfig
+from .cp_mesh import NodeGroups
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ class SliceArgs:
 class DistAttnRuntime:
     """What one rank needs at run time; built once per key and cached."""
 
-    def __init__(self, plan: DistAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig):
+    def __init__(self, plan: DistAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig,
+                 node_groups: NodeGroups | None = None):
         self.plan, self.rank, self.group, self.config = plan, rank, group, config
+        self.node_groups = node_groups  # nodes of a 2-D cp_group mesh, for the "hier" backend
         d = plan.dispatch
         self.shard_seqlens = d.shard_seqlens  # ranks may hold different token counts (no padding)
         self.shard_seqlen = self.shard_seqlens[rank]
@@ -89,7 +92,9 @@ class DistAttnRuntime:
         if self._hier is None:
             from magi_comm.hierarchical import shared_collectives
 
-            hc = shared_collectives(self.group, self.config.ranks_per_node)
+            ng = self.node_groups
+            hc = (shared_collectives(self.group, self.config.ranks_per_node) if ng is None
+                  else shared_collectives(self.group, ng.ranks_per_node, (ng.intra, ng.inter)))
             plans = [hc.cast_plan(p.input_split_sizes, p.dst_indices, p.output_split_sizes, p.src_index, kv.device)
                      for p in self.cast_plans]
             self._hier = (hc, plans)
