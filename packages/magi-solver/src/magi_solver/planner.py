@@ -240,6 +240,7 @@ class DistAttnPlan:
             "num_chunks": d.num_chunks,
             "cp_size": self.cp_size,
             "shard_seqlens": list(d.shard_seqlens),
+            "max_shard_seqlen": max(d.shard_seqlens),
             "pad_tokens": sum(d.shard_seqlens) - d.total_seqlen,  # 0: ranks hold the sequence's tokens only
             "token_imbalance": round(d.token_imbalance(), 4),
             "rank_areas": d.rank_areas(),
