@@ -61,6 +61,7 @@ class DistAttnKey:
 
     @property
     def shard_seqlen(self) -> int:
+        """Tokens this rank holds after :func:`dispatch` (ranks may hold different counts)."""
         return self.runtime.shard_seqlen
 
     @property
