@@ -81,8 +81,9 @@ def roll(x: torch.Tensor, shifts: int, key) -> torch.Tensor:
     """``dispatch(torch.roll(global_x, shifts, dims=0), key)`` computed from this rank's
     dispatched ``x [shard_seqlen, ...]`` alone (every rank of the key's group calls it).
 
-    The roll wraps around the sequence of ``total_seqlen`` tokens. Differentiable. For multi-token prediction, ``roll(labels, -k, key)`` gives
-    each local token the label k tokens ahead (mask the wrapped-around ones, as with torch.roll).
+    The roll wraps around the sequence of ``total_seqlen`` tokens. Differentiable. For multi-token
+    prediction, ``roll(labels, -k, key)`` gives each local token the label k tokens ahead (mask the
+    wrapped-around ones, as with torch.roll).
     """
     from .api import _check_key  # the key checks every API entry point runs
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from magi_solver import DistAttnPlan, GroupCastPlan, GroupReducePlan
+from magi_solver import DispatchPlan, DistAttnPlan, GroupCastPlan, GroupReducePlan
 
 from .config import DistAttnConfig
 from .cp_mesh import NodeGroups
@@ -35,6 +35,13 @@ class SliceArgs:
         return self.q_ranges.shape[0] == 0
 
 
+def _rank_rows(d: DispatchPlan, rank: int) -> torch.Tensor:
+    """Global rows of ``rank``'s local rows (``d.position_ids(rank)``, built with tensor ops)."""
+    chunks = torch.tensor(d.partitions[rank], dtype=torch.long)
+    rows = (chunks[:, None] * d.chunk_size + torch.arange(d.chunk_size, dtype=torch.long)).reshape(-1)
+    return rows[rows < d.total_seqlen]  # the last chunk of the sequence may be short
+
+
 class DistAttnRuntime:
     """What one rank needs at run time; built once per key and cached."""
 
@@ -46,8 +53,7 @@ class DistAttnRuntime:
         self.shard_seqlens = d.shard_seqlens  # ranks may hold different token counts (no padding)
         self.shard_seqlen = self.shard_seqlens[rank]
         self.total_seqlen = d.total_seqlen
-        # global row of each local row, per rank
-        self.rank_rows = [torch.tensor(d.position_ids(r), dtype=torch.long) for r in range(d.cp_size)]
+        self.rank_rows = [_rank_rows(d, r) for r in range(d.cp_size)]  # global row of each local row, per rank
         self.local_index = self.rank_rows[rank]
         self.position_ids = self.local_index
         # dispatch's all-gather moves equal blocks of the largest shard's rows (gloo's all_gather

@@ -134,7 +134,7 @@ class DispatchPlan:
         return [t for c in self.partitions[rank] for t in range(*self.chunk_range(c).to_tuple())]
 
     def for_slices(self, slices: Sequence[AttnSlice]) -> "DispatchPlan":
-        """The same placement (chunk size, padding, ``partitions``) with the chunk bands and
+        """The same placement (chunk size and ``partitions``) with the chunk bands and
         areas of another mask, ``slices`` (validated against ``total_seqlen``), so that plan
         its communication and kernel slices without moving a token. Its ``rank_areas`` and
         ``imbalance`` tell how well this placement balances the other mask: nothing re-balances."""
