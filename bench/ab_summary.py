@@ -4,7 +4,7 @@ mean TFLOP/s of each setting over its repeats, and its ratio to the baseline set
 The baseline of a pass is ``--base`` if given and present, else the first setting timed on that
 pass (``default`` for the backward sets of a ``MAGI_SWEEP_SETS`` run, e.g.
 ``MAGI_GLUON_FWD=0`` for a forward set list that starts with it).
-After the table, one verdict per (pass, setting) by the adoption rule of the kernel notes: a
+After the table, one verdict per (pass, setting) by the adoption rule (docs/tuning.md): a
 variant becomes the default only if it is at least ``--gain`` faster on the target masks
 (``--target``, mean ratio over lengths) and no mask loses more than ``--loss``; one that wins on
 the targets but loses elsewhere is a candidate for a per-launch choice.

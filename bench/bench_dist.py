@@ -3,8 +3,9 @@ the same kernel, plus the single-GPU kernel at the per-GPU length as the ceiling
 
 TFLOP/s per GPU = area FLOPs / (max rank time * cp), fwd = 4*area*hq*d, bwd = 2.5x.
 One process per GPU with NCCL when there are enough GPUs, else CPU processes with gloo
-(a smoke test). Usage:
+(a smoke test). It starts its own workers, or runs as one rank under torchrun. Usage:
     python bench/bench_dist.py --cp 8 --tokens-per-rank 8192 16384 --out dist.json
+    torchrun --nproc-per-node 8 bench/bench_dist.py --cp 8 --out dist.json
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from magi_attn.launch import free_port
+from magi_attn import WorkerEnv, init_worker, launched_env, run_workers
 
 MASKS = ["full", "causal", "varlen_causal", "varlen_block_causal"]
 
@@ -42,21 +42,19 @@ def _timed(fn, iters, use_cuda, group):
     return float(med)
 
 
-def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
-    if use_cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=args.cp)
-    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, dispatch, magi_attn_flex_key
-    from magi_attn.baselines import (
-        comm_rows_per_rank, contiguous_dispatch, ring_allgather_attn, ulysses_attn, zigzag_dispatch,
+def worker(env: WorkerEnv, args, use_cuda: bool) -> list[dict] | None:
+    """One rank: time every (tokens per rank, mask); rank 0 returns the rows."""
+    os.environ.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
+    dev = init_worker(env, use_cuda)
+    rank = env.rank
+    from magi_attn import (
+        DispatchConfig, DistAttnConfig, OverlapConfig, calc_attn, comm_rows_per_rank, contiguous_dispatch, dispatch,
+        magi_attn_flex_key, make_mask, ring_allgather_attn, ulysses_attn, zigzag_dispatch,
     )
-    from magi_attn.masks import make_mask
     from magi_comm import COMM_STATS
     from magi_kernels import flex_flash_attn_func
     from magi_solver import slice_ranges
 
-    dev = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32
     backend = "auto" if use_cuda else "torch"
     g = dist.group.WORLD
@@ -120,9 +118,7 @@ def worker(rank: int, args, port: int, use_cuda: bool, queue) -> None:
             if rank == 0:
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
                 rows.append(res)
-    if rank == 0:
-        queue.put(rows)
-    dist.destroy_process_group()
+    return rows if rank == 0 else None
 
 
 def main(argv=None):
@@ -140,11 +136,13 @@ def main(argv=None):
     p.add_argument("--ranks-per-node", type=int, default=None, help="for --comm hier (default LOCAL_WORLD_SIZE)")
     p.add_argument("--out", default="bench_dist.json")
     args = p.parse_args(argv)
-    use_cuda = torch.cuda.device_count() >= args.cp
-    port = free_port()
-    q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(args, port, use_cuda, q), nprocs=args.cp, start_method="spawn")
-    rows = q.get()
+    env = launched_env()
+    if env is not None and env.world_size != args.cp:
+        p.error(f"--cp {args.cp} but the launcher started {env.world_size} ranks; they must match")
+    use_cuda = torch.cuda.device_count() >= (env.local_world_size if env else args.cp)
+    rows = run_workers(worker, args.cp, args, use_cuda)
+    if env is not None and not env.is_main:
+        return None
     meta = {"device": torch.cuda.get_device_name() if use_cuda else "cpu (gloo)", "torch": torch.__version__,
             "config": vars(args)}
     with open(args.out, "w") as f:
@@ -153,4 +151,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    rows = main()
+    env = launched_env()
+    sys.exit(0 if rows or (env is not None and not env.is_main) else 1)

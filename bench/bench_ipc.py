@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from magi_attn.launch import free_port
+from magi_attn import WorkerEnv, init_worker, run_workers
 
 
-def worker(rank, args, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+def worker(env: WorkerEnv, args) -> dict | None:
+    """One of the processes sharing GPU 0 (gloo: NCCL cannot run two processes on one GPU)."""
+    init_worker(env, use_cuda=False)
     torch.cuda.set_device(0)
-    from magi_comm import group_cast
-    from magi_comm.ipc import IpcGroupCollectives
+    rank = env.rank
+    from magi_comm import IpcGroupCollectives, group_cast
 
     W, n = args.world, args.rows
     # every rank sends every row to every other rank: a dense all-to-all-like cast
@@ -48,11 +46,11 @@ def worker(rank, args, port, q):
     t_a2a = (time.perf_counter() - t) / max(1, args.iters // 4)
     sent = n * (W - 1) * row_bytes
     if rank == 0:
-        q.put({"world": W, "rows": n, "row_bytes": row_bytes, "bytes_sent_per_rank": sent,
+        return {"world": W, "rows": n, "row_bytes": row_bytes, "bytes_sent_per_rank": sent,
                "ipc_GBps_per_rank": sent / t_ipc / 1e9, "gloo_a2a_GBps_per_rank": sent / t_a2a / 1e9,
                "ipc_ms": t_ipc * 1e3, "gloo_a2a_ms": t_a2a * 1e3,
-               "note": "all ranks share one GPU: the IPC number is bounded by that GPU's copy bandwidth"})
-    dist.destroy_process_group()
+               "note": "all ranks share one GPU: the IPC number is bounded by that GPU's copy bandwidth"}
+    return None
 
 
 def main():
@@ -63,9 +61,9 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="bench_ipc.json")
     args = p.parse_args()
-    q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(args, free_port(), q), nprocs=args.world, start_method="spawn")
-    res = q.get()
+    res = run_workers(worker, args.world, args)
+    if res is None:  # a rank other than 0 under torchrun
+        return
     print(json.dumps(res))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import flex_flash_attn_func
 
@@ -66,7 +66,7 @@ def interleaved_times(fns: dict, rounds: int, reps_ms: float, timer=bench, windo
     """Median ms of each callable over ``rounds`` rounds; each round times every callable once
     (``reps_ms`` of back-to-back calls), starting one later each round. Under the H200's 700 W
     cap the SM clock falls from 1980 to 1620-1800 MHz with sustained load and recovers in idle
-    gaps (v10 notes), so timing each implementation in one block would favour whichever follows
+    gaps, so timing each implementation in one block would favour whichever follows
     a gap (Flex after its compile); interleaving gives every one the same mix of clocks.
     ``windows``, if given, collects each callable's wall-clock spans ``[t0, t1]`` (one per round)
     for ``bench/gpu_clocks.py`` to read the SM clock each ran under; ``samples``, if given, gets
@@ -162,7 +162,7 @@ def run(args, on_row=lambda rows: None):
                     fns["flex_fwd"] = fx
                     fns["flex_bwd"] = lambda: torch.autograd.grad(of, (qf, kf, vf), gf, retain_graph=True)
                     res["flex_vs_magi_maxerr"] = (of[0].transpose(0, 1).float() - o.float()).abs().max().item()
-                    # the backward too: the largest dQ/dK/dV difference (bf16 both sides; v20: 0.001-0.06)
+                    # the backward too: the largest dQ/dK/dV difference (bf16 both sides: 0.001-0.06 on an H100)
                     res["flex_vs_magi_grad_maxerr"] = max(
                         (a[0].transpose(0, 1).float() - b.float()).abs().max().item()
                         for a, b in zip(fns["flex_bwd"](), fns["magi_bwd"]()))

@@ -53,7 +53,7 @@ def build(kind: str):
 
 
 def batch(kind: str, seqlen: int, vocab: int):
-    from magi_attn.masks import cu_seqlens_of, sample_doc_lengths
+    from magi_attn import cu_seqlens_of, sample_doc_lengths
 
     g = torch.Generator().manual_seed(seqlen)
     ids = torch.randint(0, vocab, (1, seqlen), generator=g)

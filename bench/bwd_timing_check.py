@@ -1,7 +1,7 @@
 """Time one backward two ways in one process: through autograd (as bench_kernels.py does) and
-by calling ``triton_backend.ffa_backward`` directly (as sweep_tiles.py does), each with a short
-and a long timing window, interleaved. The v9 runs disagreed by 18-23 % on the full mask (notes,
-v9); this says which way of timing (or which window) accounts for it.
+by calling ``magi_kernels.run_backward`` directly (as sweep_tiles.py does), each with a short
+and a long timing window, interleaved. Two such timings once disagreed by 18-23 % on the full mask (the cause was the
+power cap's clock, not the way of timing); this says which way (or which window) accounts for a gap.
 
 Usage: python bench/bwd_timing_check.py --seqlen 16384 --masks full causal
 """
@@ -14,10 +14,9 @@ import sys
 
 import torch
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_solver import slice_ranges
-from magi_kernels import flex_flash_attn_func
-from magi_kernels import triton_backend as tb
+from magi_kernels import flex_flash_attn_func, run_backward
 
 
 def main() -> int:
@@ -43,7 +42,7 @@ def main() -> int:
         dlse = torch.zeros_like(lse)
         ways = {
             "autograd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True),
-            "direct": lambda: tb.ffa_backward(g, qd, kd, vd, od, lse.detach(), dlse, qr, kr, tm, d ** -0.5, 0.0),
+            "direct": lambda: run_backward(g, qd, kd, vd, od, lse.detach(), dlse, qr, kr, tm, d ** -0.5, 0.0, "triton"),
         }
         for rnd in range(args.rounds):
             for window in args.windows_ms:

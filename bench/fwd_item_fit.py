@@ -4,10 +4,10 @@ Each row of ``bench_kernels.py``'s JSON gives the forward's time for one mask an
 one program per item on every SM, a row's time per item and SM (ms x SMs / items) is modelled
 as ``a * key blocks + b * partial blocks + c``, averaged over the row's items, and fitted by
 least squares over all rows. ``c`` is the item's fixed cost (launch and setup, pipeline fill,
-output, the share of the tail), the part a persistent launch (``gluon_fwd``, since v19) can
-hide; v15's bench fits a = 1.77 us, b = 0.08 us, c = 5.7 us (docs/notes, v17).
+output, the share of the tail), the part a persistent launch (``gluon_fwd``) can
+hide; an H200 bench of one program per item fits a = 1.77 us, b = 0.08 us, c = 5.7 us.
 
-Usage: python bench/fwd_item_fit.py docs/notes/bench_kernels_h200_v15.json [--sms 132] [--key fwd_ms]
+Usage: python bench/fwd_item_fit.py bench_kernels_h200.json [--sms 132] [--key fwd_ms]
 (``--key``: the timing column, e.g. magi_fwd_ms; blocks are of the Gluon forward's 128 x 128 tiles.)
 """
 
@@ -42,7 +42,7 @@ def item_features(mask: str, seqlen: int, bm: int = 128, bn: int = 128) -> tuple
     """(mean key blocks, mean partial blocks, items per head) of the forward's tiles of a bench mask."""
     import torch
 
-    from magi_attn.masks import make_mask
+    from magi_attn import make_mask
     from magi_kernels import triton_backend as tb
     from magi_solver import slice_ranges
 

@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from magi_attn.masks import make_mask
-from magi_kernels import triton_backend as tb
+from magi_attn import make_mask
+from magi_kernels import run_forward
 from magi_solver import slice_ranges
 
 
@@ -35,7 +35,7 @@ def main() -> int:
     qf = q.transpose(0, 1)[None]
     kf, vf = (t.transpose(0, 1)[None].repeat_interleave(hq // hk, dim=1) for t in (k, v))
     for _ in range(args.warmup + 1):
-        tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)
+        run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton")
     for _ in range(args.warmup + 1):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             F.scaled_dot_product_attention(qf, kf, vf, is_causal=args.mask == "causal")

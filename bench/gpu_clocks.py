@@ -2,7 +2,7 @@
 
 ``bench/device_run.sh`` logs ``timestamp, clocks.sm, power.draw, temperature.gpu`` every 100 ms
 into ``gpu_clocks.csv`` for the whole call. Under the 700 W cap the SM clock of a sustained
-kernel falls well below its 1980 MHz boost (H100 v21/v22: medians 1470-1800 MHz per length)
+kernel falls well below its 1980 MHz boost (H100: medians 1470-1800 MHz per length)
 and recovers in idle gaps, so the median of the whole call (idle included) says little about a
 timing. This joins the log with the wall-clock windows the benchmarks record:
 

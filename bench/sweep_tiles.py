@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from magi_attn.masks import make_mask
+from magi_attn import make_mask
 from magi_solver import slice_ranges
-from magi_kernels import triton_backend as tb
+from magi_kernels import run_backward, run_forward
 
 # the variables each pass reads, with the values swept (a variable of MAGI_SWEEP found in neither
 # is timed on the backward)
@@ -61,7 +61,7 @@ def balanced_order(runs: list[tuple]) -> list[tuple]:
     """``runs`` (label, value, settings) reordered for an A/B: a setting listed several times
     (``MAGI_SWEEP_SETS="A;B;C;A;B;C"``) is timed in rounds, the k-th round holding each one's
     k-th repeat in first-listed order, every other round reversed (A B C C B A ...). Under the
-    power cap the SM clock sinks through a mask's timings (v22: 1850 to 1700 MHz over 16k
+    power cap the SM clock sinks through a mask's timings (1850 to 1700 MHz over 16k
     sliding window), so a fixed order gave the first setting the highest clock in every round;
     reversed rounds give each setting the same mean position. A list without repeats is kept."""
     rounds: list[list[tuple]] = []
@@ -130,20 +130,21 @@ def main() -> int:
         q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
         k, v = (torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         do = torch.randn_like(q)
-        out, lse = tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)
+        out, lse = run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton")
         dlse = torch.zeros_like(lse)
         flops = 4 * area * hq * d
         if args.profile:
-            profile(mask, lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0),
-                    lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0))
+            profile(mask, lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton"),
+                    lambda: run_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0, "triton"))
         for n_run, (label, cfg, settings) in enumerate(runs):
             os.environ.update(settings)
             which = set_pass(settings)
             if which == "fwd":
-                fn = lambda: tb.ffa_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                fn = lambda: run_forward(q, k, v, qr, kr, tm, d ** -0.5, 0.0, "triton")  # noqa: E731
                 mult = 1.0
             else:
-                fn = lambda: tb.ffa_backward(do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0)  # noqa: E731
+                fn = lambda: run_backward(  # noqa: E731
+                    do, q, k, v, out, lse, dlse, qr, kr, tm, d ** -0.5, 0.0, "triton")
                 mult = 2.5
             row = {"mask": mask, "seqlen": S, "var": label, "cfg": cfg, "pass": which}
             try:

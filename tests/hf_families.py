@@ -59,6 +59,13 @@ FAMILIES: dict[str, Family] = {
                               dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                    v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                                    moe_intermediate_size=16, num_key_value_heads=4)),
+    "ministral": Family("MinistralConfig", "MinistralForCausalLM", dict(head_dim=8, sliding_window=5, layer_types=SWA)),
+    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM",  # NoPE on every other layer, window on the rest
+                      dict(head_dim=8, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5, pad_token_id=0)),
+    "hunyuan_dense": Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=8)),  # q/k norms
+    "flint": Family("FlintConfig", "FlintForCausalLM",  # sinks, windows per layer; eager scores in float32
+                    dict(head_dim=8, sliding_window=5, layer_types=SWA)),
+    "eurobert": Family("EuroBertConfig", "EuroBertForMaskedLM", dict(head_dim=8, pad_token_id=0), causal_lm=False),
     "modernbert": Family("ModernBertConfig", "ModernBertForMaskedLM",
                          dict(num_hidden_layers=2, global_attn_every_n_layers=2, local_attention=6,
                               layer_types=SWA, pad_token_id=0), causal_lm=False),

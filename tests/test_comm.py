@@ -112,7 +112,8 @@ def test_single_process_and_errors():
 def test_ipc_backend_reports_why_it_cannot_run():
     import torch
 
-    from magi_comm.ipc import IpcArena, ipc_supported
+    from magi_comm import ipc_supported
+    from magi_comm.ipc import IpcArena
 
     ok, why = ipc_supported()
     if torch.cuda.is_available() and ok:
@@ -123,7 +124,7 @@ def test_ipc_backend_reports_why_it_cannot_run():
 
 
 def test_on_device_returns_cpu_tensors_unchanged():
-    from magi_comm.device_index import on_device
+    from magi_kernels import on_device
 
     rows = torch.arange(7)
     assert on_device(rows, "cpu") is rows  # the gloo path: no copy at all
@@ -134,7 +135,7 @@ def test_on_device_copies_once_without_a_host_sync():
     """Plan rows go to the GPU once, from pinned memory, with no sync (torch's sync debug mode
     raises on one); an in-place change of the CPU rows makes a fresh copy; the values match."""
     from magi_comm import native
-    from magi_comm.device_index import on_device
+    from magi_kernels import on_device
 
     torch.manual_seed(0)
     rows = torch.randint(0, 100, (57,))

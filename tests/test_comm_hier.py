@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed
-from magi_comm.hierarchical import NodeTopology, inter_node_rows, outgoing_meta, two_hop_cast_plan
+from magi_comm.two_hop_plan import NodeTopology, inter_node_rows, outgoing_meta, two_hop_cast_plan
 
 
 def random_pattern(world: int, seed: int):
@@ -108,7 +108,7 @@ def test_topology_errors_name_the_fix():
 
 def hier_worker(rank, world, per_node):
     from magi_comm import COMM_STATS, group_cast, group_reduce
-    from magi_comm.hierarchical import HierarchicalCollectives
+    from magi_comm import HierarchicalCollectives
 
     hc = HierarchicalCollectives(dist.group.WORLD, ranks_per_node=per_node)
     topo = hc.topo
@@ -152,3 +152,59 @@ def hier_worker(rank, world, per_node):
 @pytest.mark.parametrize("world,per_node", [(4, 2), (6, 3), (3, 1)])
 def test_hierarchical_collectives_equal_flat_on_gloo(world, per_node):
     run_distributed(hier_worker, world, per_node)
+
+
+def interface_worker(rank, world, per_node):
+    """make_group_collective's "a2a" and "hier" collectives run a list of stages exactly as the
+    split-level group_cast / group_reduce do (cast bit-equal, dK/dV-style sum reduce to 1e-12)."""
+    from magi_comm import group_cast, group_reduce, make_group_collective
+    from magi_solver import GroupCastPlan
+
+    patterns = [random_pattern(world, 200 + s)[rank] for s in range(3)]
+    stages = [GroupCastPlan(tuple(a), tuple(tuple(d) for d in b), tuple(c), tuple(e)) for a, b, c, e in patterns]
+    rows = 20
+    # every stage casts from the same shard of ``rows`` rows (as distributed attention does)
+    stages = [GroupCastPlan(p.input_split_sizes + (rows - p.input_rows,), p.dst_indices + ((),),
+                            p.output_split_sizes, p.src_index) for p in stages]
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows, 2, 3, generator=g, dtype=torch.float64)
+    for kind in ("a2a", "hier"):
+        comm = make_group_collective(kind, stages, dist.group.WORLD, timeout_s=60.0, ranks_per_node=per_node)
+        assert comm.kind == kind
+        pending = [comm.cast(x, s) for s in range(len(stages))]  # several in flight, as in forward
+        for s, (p, h) in enumerate(zip(stages, pending)):
+            flat = group_cast(x, input_split_sizes=p.input_split_sizes, output_split_sizes=p.output_split_sizes,
+                              dst_indices=p.dst_indices, src_index=p.src_index, group=dist.group.WORLD)
+            assert torch.equal(h.wait(), flat), (kind, rank, s)
+        for s, p in enumerate(stages):
+            part = torch.randn(p.output_rows, 2, 3, generator=torch.Generator().manual_seed(10 * rank + s),
+                               dtype=torch.float64)
+            r = p.transpose()
+            want = group_reduce(part, x.clone(), input_split_sizes=r.input_split_sizes,
+                                output_split_sizes=r.output_split_sizes, dst_index=r.dst_index,
+                                src_indices=r.src_indices, group=dist.group.WORLD)
+            out = x.clone()
+            assert comm.reduce(part, out, s).wait() is out
+            torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_group_collective_interface_equals_the_split_level_calls():
+    run_distributed(interface_worker, 4, 2)  # two nodes of two ranks
+
+
+def test_make_group_collective_kinds_and_errors():
+    from magi_comm import COLLECTIVE_KINDS, make_group_collective
+    from magi_solver import GroupCastPlan
+
+    stages = [GroupCastPlan((4,), ((0,),), (4,), (0,))]
+    with pytest.raises(ValueError, match="unknown group collective kind 'nccl'"):
+        make_group_collective("nccl", stages, None)
+    assert set(COLLECTIVE_KINDS) == {"a2a", "ipc", "hier"}
+    # without a process group there is nothing to route over nodes: the all-to-all path, a local copy
+    comm = make_group_collective("hier", stages, None)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    assert comm.kind == "a2a" and torch.equal(comm.cast(x, 0).wait(), x)
+    ipc = make_group_collective("ipc", stages, None)  # builds nothing until the first call
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA IPC group collectives are unavailable"):
+            ipc.cast(x, 0)

@@ -134,8 +134,8 @@ def test_bf16_pipeline_two_ranks():
 def test_api_errors():
     from magi_attn import DistAttnConfig, OverlapConfig, calc_attn, magi_attn_flex_key, magi_attn_varlen_key
 
-    with pytest.raises(NotImplementedError, match="self-attention"):
-        magi_attn_flex_key([(0, 4)], [(0, 6)], "full", 4, 6, 2, 1, 8)
+    assert magi_attn_flex_key([(0, 4)], [(0, 6)], "full", 4, 6, 2, 1, 8).is_cross  # test_cross.py
+    assert not magi_attn_flex_key([(0, 4)], [(0, 4)], "full", 4, 4, 2, 1, 8).is_cross
     with pytest.raises(ValueError, match="multiple of num_heads_kv"):
         magi_attn_flex_key([(0, 4)], [(0, 4)], "full", 4, 4, 3, 2, 8)
     with pytest.raises(ValueError, match="both cover cell"):

@@ -13,8 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def ipc_worker(rank, world):
-    from magi_comm import group_cast, group_reduce
-    from magi_comm.ipc import IpcGroupCollectives
+    from magi_comm import IpcGroupCollectives, group_cast, group_reduce
     from magi_solver import DispatchConfig, DistAttnPlan, OverlapConfig, varlen_slices
 
     torch.cuda.set_device(0)

@@ -1,8 +1,8 @@
 """The Triton and Gluon kernels' inner loops compile for sm_90a without register spills.
 
 No GPU is needed: Triton compiles for a target with the ptxas it ships, and cuobjdump reads the
-SASS. Spills in the backward's dK/dV loops cost about 12 % of its time at 16k on the H200 (see
-docs/notes/kernel_measurements.md, v7); this catches a change that brings them back.
+SASS. Spills in the backward's dK/dV loops cost about 12 % of its time at 16k on the H200;
+this catches a change that brings them back.
 """
 
 import importlib.util
@@ -80,9 +80,9 @@ def test_gluon_forward_compiles_without_spills():
 def test_gluon_backward_compiles_with_pipelined_wgmma(rotate, extra):
     """The Gluon backward compiles for sm_90a with either query-block order, both consumers'
     block loops issuing their 32 wgmma each; spills in those loops stay at the measured level
-    (scalar bookkeeping, v9/v10/v12 notes). A change that makes ptxas serialise the wgmma (a
-    wait after every one of them) would show as a wait after each of the 32; v12's first
-    key-major version had one extra wait, before dP^T (3 allowed). The dK/dV reduce-adds of
+    (scalar bookkeeping). A change that makes ptxas serialise the wgmma (a wait after every
+    one of them) would show as a wait after each of the 32; starting dP^T's accumulator at
+    -delta once added one extra wait, before dP^T (3 allowed). The dK/dV reduce-adds of
     pieces (``PIECE_TMA``) compile too."""
     gb = pytest.importorskip("magi_kernels.gluon_bwd")
     if not gb.AVAILABLE:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from magi_comm import native
-from magi_comm.group_collective import _cast_index_plan_py
+from magi_comm.index_plan import _cast_index_plan_py
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native extension not built: {native.REASON}")
 

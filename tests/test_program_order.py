@@ -40,7 +40,7 @@ def test_simulated_finish_is_the_in_order_list_schedule():
 
 @pytest.mark.parametrize("n_tiles", [64, 128, 256])
 def test_full_mask_stays_head_major(n_tiles):
-    """Equal tiles: no tail to fix, so L2 locality wins (v10's head order)."""
+    """Equal tiles: no tail to fix, so L2 locality wins (head order)."""
     assert po.choose_band(costs_of("full", n_tiles), 8, 132) == 1
 
 

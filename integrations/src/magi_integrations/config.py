@@ -85,7 +85,7 @@ class CPConfig:
     comm_timeout_s: float = 300.0  # a rank whose peer fails raises after this (DistAttnConfig.comm_timeout_s)
 
     def __post_init__(self) -> None:
-        from magi_attn.config import COMM_BACKENDS
+        from magi_attn import COMM_BACKENDS
         from magi_kernels import BACKENDS
 
         if self.backend not in CP_BACKENDS:

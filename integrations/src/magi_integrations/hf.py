@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from magi_attn import (
     DistAttnConfig,
     DistAttnKey,
+    batch_packing,
     calc_attn,
     dispatch,
     get_position_ids,
@@ -34,7 +35,7 @@ from magi_attn import (
     magi_attn_varlen_key,
     undispatch,
 )
-from magi_kernels.host_cache import per_tensor
+from magi_kernels import per_tensor
 from magi_solver import check_positive_int, varlen_slices
 
 logger = logging.getLogger(__name__)
@@ -184,21 +185,9 @@ def _docs_from_position_ids(pos: torch.Tensor) -> tuple[list[int], list[int]]:
 
 def _padded_packing(mask: torch.Tensor) -> _Packing:
     """Each row's kept tokens (one contiguous run: left or right padding) become one document."""
-    b, s = mask.shape
-    m = mask.cpu()
-    lengths = m.sum(1).tolist()
-    firsts = m.int().argmax(1).tolist()
-    docs, offset = [], 0
-    for r in range(b):
-        n, first = lengths[r], firsts[r]
-        if n and not bool(m[r, first:first + n].all()):
-            raise ValueError(f"row {r} of attention_mask has padding between its tokens; the magi attention backend "
-                             "takes left or right padding (one run of tokens per row)")
-        if n:
-            docs.append((offset, offset + n, offset))
-            offset += n
-    rows = torch.nonzero(m.reshape(-1)).reshape(-1).to(mask.device)
-    return _Packing(rows, tuple(docs))
+    p = batch_packing(mask)
+    docs = tuple((a, e, a) for a, e in zip(p.cu_seqlens, p.cu_seqlens[1:]) if e > a)
+    return _Packing(p.rows, docs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -322,9 +311,15 @@ def magi_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
             "this model adds its own mask overlay (or_mask_function / and_mask_function, e.g. bidirectional "
             "image-token blocks) to HF's attention mask; the magi attention backend cannot honour it: use "
             "attn_implementation='sdpa' or 'flex_attention' for this model")
-    if not (isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and q_length == kv_length):
+    if not (isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0):
         raise NotImplementedError("the magi attention backend runs training and prefill without a KV cache "
                                   "(use_cache=False); decode with another attn_implementation")
+    if q_length != kv_length:
+        raise NotImplementedError(
+            f"the magi attention backend got {q_length} queries against {kv_length} keys: decoding with a KV cache "
+            "or cross-attention (an encoder-decoder model such as T5Gemma) is not supported by the Hugging Face "
+            "backend; use use_cache=False for training and prefill, and another attn_implementation for "
+            "cross-attention (magi_attn_cross_key runs cross-attention directly)")
     padding = flash_attention_mask(batch_size, q_length, kv_length, attention_mask=attention_mask, **kwargs)
     if padding is None and batch_size == 1 and q_length > 1 and kwargs.get("mask_function") is not None:
         starts = _hf_sequence_starts(kwargs["mask_function"], q_length)

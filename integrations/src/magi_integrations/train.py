@@ -36,7 +36,7 @@ def resolve(cfg: Any) -> TrainConfig:
 def synthetic_documents(total: int, vocab: int, mask: str, seed: int) -> tuple[torch.Tensor, list[int]]:
     """Packed documents whose next token is (token + stride) mod vocab: learnable, so the loss
     falls, and every document starts at a random token."""
-    from magi_attn.masks import cu_seqlens_of, sample_doc_lengths
+    from magi_attn import cu_seqlens_of, sample_doc_lengths
 
     g = torch.Generator().manual_seed(seed)
     lengths = sample_doc_lengths(total, seed) if mask == "varlen_causal" else [total]

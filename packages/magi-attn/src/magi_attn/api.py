@@ -12,18 +12,16 @@ import torch
 import torch.distributed as dist
 
 from magi_comm import all_gather_rows, clear_shared_collectives
-from magi_comm.device_index import on_device
-from magi_kernels import apply_sink, check_sink, common_head_dim, pad_head_dim, resolve_backend
+from magi_kernels import apply_sink, check_sink, common_head_dim, on_device, pad_head_dim, resolve_backend
 from magi_kernels.validation import check_qkv, check_scale_softcap
-from magi_solver import AttnMaskType, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
-from magi_solver.ranges import AttnRange
+from magi_solver import KV_PLACEMENTS, AttnMaskType, AttnRange, AttnSlice, DistAttnPlan, solve_dispatch, varlen_slices
 
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
 from .checks import check_group_alive, check_not_an_uninitialized_launch, cu_seqlens_list
 from .config import DistAttnConfig
 from .cp_mesh import CPGroup, NodeGroups, clear_resolved_meshes, resolve_cp_group
 from .dist_attn import DistAttnFunction
-from .runtime import DistAttnRuntime
+from .runtime import DistAttnRuntime, RowPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +30,7 @@ _RUNTIMES: "OrderedDict[tuple, DistAttnRuntime]" = OrderedDict()
 _MOST_RECENT: dict[int, "DistAttnKey"] = {}
 
 SliceTuple = tuple[int, int, int, int, int]
+KV_SIDES = ("self", *KV_PLACEMENTS)  # where a key's K/V rows live: with the queries, or a cross key's placement
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,19 @@ class DistAttnKey:
         """The mask the token placement was balanced for (``placement``, else ``slices``)."""
         return self.slices if self.placement is None else self.placement
 
+    @property
+    def is_cross(self) -> bool:
+        """Whether queries and keys come from different sequences (see ``magi_attn.cross``)."""
+        return False
+
+    def _new_runtime(self) -> DistAttnRuntime:
+        return DistAttnRuntime(_plan(self), self.cp_rank, self.group, self.config, self.node_groups)
+
+    def _kv_fields(self) -> list[Field]:
+        """The K/V side's agreement fields; every key has them, so that a rank holding a
+        cross-attention key and one holding a self-attention key compare field by field."""
+        return [labelled("kv_placement", "self", KV_SIDES), Field("total_seqlen_k", self.total_seqlen)]
+
 
 def _cache_id(key: DistAttnKey) -> tuple:
     return (key, id(key.group), id(key.node_groups))
@@ -78,7 +90,7 @@ def _get_runtime(key: DistAttnKey) -> DistAttnRuntime:
     cid = _cache_id(key)
     rt = _RUNTIMES.get(cid)
     if rt is None:
-        rt = DistAttnRuntime(_plan(key), key.cp_rank, key.group, key.config, key.node_groups)
+        rt = key._new_runtime()
         _RUNTIMES[cid] = rt
         while len(_RUNTIMES) > _CACHE_SIZE:
             _RUNTIMES.popitem(last=False)
@@ -159,18 +171,16 @@ def magi_attn_flex_key(
     and ``"intra"``: nodes and the ranks of a node, whose groups ``comm_backend="hier"`` then
     uses), or None for a single rank (no communication, no process group needed). The plan is
     built (and cached) on first use; every rank of the group builds the same plan.
+
+    ``total_seqlen_q != total_seqlen_k`` is cross-attention: this returns
+    :func:`magi_attn.magi_attn_cross_key` of the same arguments (``kv_placement="auto"``).
     """
     if total_seqlen_q != total_seqlen_k:
-        raise NotImplementedError(
-            f"only self-attention is supported (total_seqlen_q={total_seqlen_q} != total_seqlen_k={total_seqlen_k})"
-        )
-    for name, val in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if num_heads_q % num_heads_kv:
-        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
-    if not isinstance(dist_attn_config, DistAttnConfig):
-        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
+        from .cross import magi_attn_cross_key  # cross.py builds on this module
+
+        return magi_attn_cross_key(q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k, num_heads_q,
+                                   num_heads_kv, head_dim, cp_group, dist_attn_config=dist_attn_config)
+    _check_key_args(num_heads_q, num_heads_kv, head_dim, dist_attn_config)
     slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
     group, node_groups = resolve_cp_group(cp_group)
     cp_size, cp_rank = _group_info(group)
@@ -180,9 +190,19 @@ def magi_attn_flex_key(
     ))
 
 
-def _make_key(key: DistAttnKey) -> DistAttnKey:
+def _check_key_args(num_heads_q: int, num_heads_kv: int, head_dim: int, dist_attn_config: DistAttnConfig) -> None:
+    for name, val in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    if not isinstance(dist_attn_config, DistAttnConfig):
+        raise TypeError(f"dist_attn_config must be a DistAttnConfig, got {type(dist_attn_config).__name__}")
+
+
+def _make_key(key: DistAttnKey, most_recent: bool = True) -> DistAttnKey:
     """Plan ``key`` now (validation errors surface here, not inside the model), check that every
-    rank of its group holds the same key, and make it the group's most recent."""
+    rank of its group holds the same key, and (``most_recent``) make it the group's most recent."""
     ng, rpn = key.node_groups, key.config.ranks_per_node
     if ng is not None and key.config.comm_backend == "hier" and rpn not in (None, ng.ranks_per_node):
         raise ValueError(f"dist_attn_config.ranks_per_node={rpn} disagrees with the cp_group mesh, whose 'intra' dim "
@@ -191,7 +211,8 @@ def _make_key(key: DistAttnKey) -> DistAttnKey:
     _get_runtime(key)
     if key.cp_size > 1:
         check_agreement(_key_fields(key), key.group, key.config.comm_timeout_s, _KEY_CHECK)
-    _MOST_RECENT[id(key.group)] = key
+    if most_recent:
+        _MOST_RECENT[id(key.group)] = key
     return key
 
 
@@ -208,7 +229,7 @@ def _key_fields(key: DistAttnKey) -> list[Field]:
         Field("num_heads_q", key.num_heads_q), Field("num_heads_kv", key.num_heads_kv), Field("head_dim", key.head_dim),
         Field("number of mask slices", len(key.slices)), Field("mask slices", digest(key.slices), digest=True),
         Field("dispatch placement (the base key's mask, for a new-mask key)", digest(key.placement), digest=True),
-        *config_fields("dist_attn_config", key.config), group_field(key.group),
+        *key._kv_fields(), *config_fields("dist_attn_config", key.config), group_field(key.group),
     ]
 
 
@@ -282,6 +303,7 @@ def magi_attn_flex_key_for_new_mask(
     """
     fn = "magi_attn_flex_key_for_new_mask"
     _check_key(base_key, fn, "base_key")
+    _check_self_attention(base_key, fn)
     return _new_mask_key(base_key, _as_slices(q_ranges, k_ranges, attn_mask_type), dist_attn_config, fn)
 
 
@@ -298,6 +320,7 @@ def magi_attn_varlen_key_for_new_mask(
     window, as in :func:`magi_attn_varlen_key`); the documents must cover ``base_key``'s sequence."""
     fn = "magi_attn_varlen_key_for_new_mask"
     _check_key(base_key, fn, "base_key")
+    _check_self_attention(base_key, fn)
     slices, total_q, total_k = _varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window_size)
     for name, total in (("cu_seqlens_q", total_q), ("cu_seqlens_k", total_k)):
         if total != base_key.total_seqlen:
@@ -379,41 +402,52 @@ def _check_key(key: object, fn: str, name: str = "key") -> None:
     check_group_alive(key.group, key.cp_size, key.cp_rank)
 
 
+def _check_self_attention(base_key: DistAttnKey, fn: str) -> None:
+    if base_key.is_cross:
+        raise NotImplementedError(f"{fn}: base_key is a cross-attention key; a new mask over its dispatch is not "
+                                  "supported: build another magi_attn_cross_key for the other mask")
+
+
 def get_position_ids(key: DistAttnKey) -> torch.Tensor:
     """Global positions of this rank's dispatched tokens (for RoPE)."""
     return key.runtime.position_ids.clone()
 
 
 class _Dispatch(torch.autograd.Function):
+    """This rank's rows of a global tensor, placed by ``rows`` (the query side, ``rt.rows``, or a
+    cross key's K/V side); ``rt`` gives the rank and group."""
+
     @staticmethod
-    def forward(ctx, x, rt: DistAttnRuntime):
-        ctx.rt = rt
-        return x.index_select(0, on_device(rt.local_index, x.device))
+    def forward(ctx, x, rows: RowPlacement, rt: DistAttnRuntime):
+        ctx.rows, ctx.rt = rows, rt
+        return x.index_select(0, on_device(rows.rank_rows[rt.rank], x.device))
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_unpermute(grad.contiguous(), ctx.rt), None
+        return _gather_unpermute(grad.contiguous(), ctx.rows, ctx.rt), None, None
 
 
-def _gather_unpermute(x_local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
+def _gather_unpermute(x_local: torch.Tensor, rows: RowPlacement, rt: DistAttnRuntime) -> torch.Tensor:
     """Every rank's shard, in global order. Shards may differ in length: each is sent padded to
     the largest one (at most one chunk more) and the padding rows are dropped on arrival."""
-    pad = rt.gather_rows - x_local.shape[0]
-    if pad and rt.plan.cp_size > 1:
+    pad = rows.gather_rows - x_local.shape[0]
+    if pad and rt.cp_size > 1:
         x_local = torch.cat([x_local, x_local.new_zeros((pad, *x_local.shape[1:]))])
     gathered = all_gather_rows(x_local, rt.group, rt.config.comm_timeout_s, "all-gather of dispatched rows")
-    return gathered.index_select(0, on_device(rt.gather_index, x_local.device))
+    return gathered.index_select(0, on_device(rows.gather_index, x_local.device))
 
 
 class _Undispatch(torch.autograd.Function):
+    """Inverse of :class:`_Dispatch`."""
+
     @staticmethod
-    def forward(ctx, x_local, rt: DistAttnRuntime):
-        ctx.rt = rt
-        return _gather_unpermute(x_local.contiguous(), rt)
+    def forward(ctx, x_local, rows: RowPlacement, rt: DistAttnRuntime):
+        ctx.rows, ctx.rt = rows, rt
+        return _gather_unpermute(x_local.contiguous(), rows, rt)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(0, on_device(ctx.rt.local_index, grad.device)), None
+        return grad.index_select(0, on_device(ctx.rows.rank_rows[ctx.rt.rank], grad.device)), None, None
 
 
 def dispatch(x: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
@@ -422,8 +456,11 @@ def dispatch(x: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     token counts (no padding). Backward all-gathers the gradient."""
     _check_key(key, "dispatch")
     if x.shape[0] != key.total_seqlen:
-        raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen), got {x.shape[0]}")
-    return _Dispatch.apply(x, key.runtime)
+        hint = (" (the query side of a cross-attention key; K/V-side tensors go through dispatch_kv)"
+                if key.is_cross else "")
+        raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen){hint}, got {x.shape[0]}")
+    rt = key.runtime
+    return _Dispatch.apply(x, rt.rows, rt)
 
 
 def undispatch(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
@@ -433,7 +470,7 @@ def undispatch(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     if x_local.shape[0] != rt.shard_seqlen:
         raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (this rank's shard_seqlen), "
                          f"got {x_local.shape[0]}")
-    return _Undispatch.apply(x_local, rt)
+    return _Undispatch.apply(x_local, rt.rows, rt)
 
 
 def calc_attn(
@@ -463,11 +500,12 @@ def calc_attn(
     check_sink(sink, q)
     rt = key.runtime
     expect_q = (rt.shard_seqlen, key.num_heads_q, key.head_dim)
-    expect_k = (rt.shard_seqlen, key.num_heads_kv, key.head_dim)
+    expect_k = (rt.kv_shard_seqlen, key.num_heads_kv, key.head_dim)
     if tuple(q.shape) != expect_q:
         raise ValueError(f"q must be [shard_seqlen, num_heads_q, head_dim]={expect_q} for this key, got {tuple(q.shape)}")
     if tuple(k.shape) != expect_k:
-        raise ValueError(f"k must be [shard_seqlen, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
+        side = "kv_shard_seqlen (dispatch_kv's rows)" if key.is_cross else "shard_seqlen"
+        raise ValueError(f"k must be [{side}, num_heads_kv, head_dim]={expect_k} for this key, got {tuple(k.shape)}")
     scale, cap = check_scale_softcap(softmax_scale, softcap, key.head_dim)
     backend = resolve_backend(key.config.kernel_backend, q)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))

@@ -40,6 +40,7 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def zigzag_dispatch(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Rows of ``x`` that ``rank`` holds under zigzag sharding (chunks ``rank`` and ``2cp-1-rank`` of ``2cp``, zero-padded)."""
     xp = _pad_rows(x, padded_length(x.shape[0], cp, 2))
     return torch.cat([xp[r.start:r.end] for r in zigzag_ranges(xp.shape[0], cp, rank)])
 
@@ -139,6 +140,7 @@ def ulysses_attn(
 
 
 def contiguous_dispatch(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Rows of ``x`` that ``rank`` holds under contiguous sharding (chunk ``rank`` of ``cp``, zero-padded)."""
     xp = _pad_rows(x, padded_length(x.shape[0], cp, 1))
     n = xp.shape[0] // cp
     return xp[rank * n:(rank + 1) * n]

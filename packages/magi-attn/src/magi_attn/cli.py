@@ -1,4 +1,5 @@
-"""``magi-attn`` command line: ``run`` (distributed demo job), ``plan`` (solver report/plot), ``env``."""
+"""``magi-attn`` command line: ``run`` (distributed demo job), ``plan`` (solver report/plot),
+``simulate`` (simulated scaling at 8-1024 GPUs), ``env``."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan.calc_plan(0)
     summary = plan.summary()
     if args.ranks_per_node:
-        from magi_comm.hierarchical import NodeTopology, inter_node_rows
+        from magi_comm import NodeTopology, inter_node_rows
 
         topo = NodeTopology(cp, args.ranks_per_node)
         for name, dedup in (("flat", False), ("two_hop", True)):
@@ -136,13 +137,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from .config import DistAttnConfig, OverlapConfig
+    from .simulate import Case, KernelCostModel, LinkModel, Shape, Simulator, degree_check, format_table, plot, sweep
+
+    links = LinkModel(args.ranks_per_node or 8, args.nvlink_gbps * 1e9, args.ib_gbps * 1e9)
+    sim = Simulator(KernelCostModel(args.device), links, Shape(args.heads_q, args.heads_kv, args.head_dim),
+                    DistAttnConfig(overlap=OverlapConfig(degree=None if args.degree == "auto" else int(args.degree)),
+                                   comm_backend=args.comm))
+    cases = [Case(m, t, cp) for m in args.masks for t in args.tokens_per_gpu for cp in args.cp]
+
+    def bar(items, desc):
+        return tqdm(items, desc=desc, file=sys.stderr, disable=args.quiet)
+
+    t0 = time.perf_counter()
+    rows = sweep(sim, cases, args.methods, lambda it: bar(list(it), "simulate"), per_rank=args.per_rank)
+    report = {
+        "SIMULATED": True,
+        "note": ("Simulated, not measured: per-stage kernel times from a cost model fitted to single-GPU kernel "
+                 "measurements, transfers from a link model; see README 'Simulated scaling'."),
+        "cost_model": sim.cost.describe(), "links": asdict(links), "shape": asdict(sim.shape),
+        "magi_overlap_degree": args.degree, "magi_comm_backend": args.comm, "rows": rows,
+    }
+    if args.check_degrees:
+        report["degree_check"] = degree_check(sim, cases, lambda it: bar(list(it), "degrees"))
+    report["simulate_s"] = round(time.perf_counter() - t0, 2)
+    print(format_table(rows), file=sys.stderr)
+    print(json.dumps(report, indent=2))
+    if args.plot:
+        plot(rows, args.plot, f"{sim.cost.meta['device']} kernels, hq={args.heads_q} hk={args.heads_kv} "
+                              f"d={args.head_dim}, {links.ranks_per_node} GPUs/node")
+        logger.warning("wrote %s", args.plot)
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
     import magi_comm
     import magi_kernels
     import magi_solver
-    from magi_comm import native
 
     from . import __version__
     from magi_kernels.interface import _triton_module
@@ -152,11 +190,10 @@ def cmd_env(args: argparse.Namespace) -> int:
         "magi_comm": magi_comm.__version__, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
         "triton_backend": _triton_module() is not None,
         # what magi-comm's native extension was built with, and whether it runs on this GPU
-        "comm_native": {"available": native.AVAILABLE, "with_cuda": native.WITH_CUDA,
-                        "cuda_archs": list(native.CUDA_ARCHS), "reason": native.REASON},
+        "comm_native": magi_comm.native_build_info(),
     }
-    if native.WITH_CUDA and torch.cuda.is_available():
-        info["comm_native"]["this_gpu"] = native.cuda_usable(torch.cuda.current_device())[1]
+    if info["comm_native"]["with_cuda"] and torch.cuda.is_available():
+        info["comm_native"] = magi_comm.native_build_info(torch.cuda.current_device())
     print(json.dumps(info, indent=2))
     return 0
 
@@ -180,6 +217,70 @@ def _positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def _int_list(lo: int, hi: int):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+        if not values or any(not lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"every value must be in [{lo}, {hi}], got {text!r}")
+        return values
+    return parse
+
+
+def _choice_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [v for v in values if v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
+        return values
+    return parse
+
+
+def _degree(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        if int(text) >= 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}")
+
+
+def _simulate_parser(sub) -> None:
+    from .masks import MASKS
+    from .simulate import DEVICES, METHODS
+
+    p = sub.add_parser("simulate", help="SIMULATED per-GPU throughput of magi, ring, Ulysses and USP at cp 8-1024 "
+                                        "(kernel cost model + link model; no GPU needed)")
+    p.add_argument("--cp", type=_int_list(2, 1024), default=[8, 16, 32, 64],
+                   help="comma-separated CP sizes (2..1024; default 8,16,32,64; cp 1024 takes minutes)")
+    p.add_argument("--tokens-per-gpu", type=_int_list(128, 1 << 20), default=[8192],
+                   help="comma-separated tokens per GPU (default 8192; e.g. 8192,16384,32768)")
+    p.add_argument("--masks", type=_choice_list(MASKS), default=["varlen_causal"],
+                   help="comma-separated masks of magi_attn.masks (default varlen_causal)")
+    p.add_argument("--methods", type=_choice_list(METHODS), default=list(METHODS))
+    p.add_argument("--device", choices=DEVICES, default="H100", help="whose kernel measurements price the kernels")
+    p.add_argument("--heads-q", type=_positive_int, default=64)
+    p.add_argument("--heads-kv", type=_positive_int, default=8)
+    p.add_argument("--head-dim", type=_positive_int, default=128, help="the cost model knows 128 only")
+    p.add_argument("--degree", type=_degree, default="auto", help="magi's overlap degree: auto (None) or an int")
+    p.add_argument("--comm", choices=("a2a", "hier"), default="a2a",
+                   help="magi's GroupCast/GroupReduce backend (hier: one inter-node copy per destination node)")
+    p.add_argument("--ranks-per-node", type=_positive_int, default=8)
+    p.add_argument("--nvlink-gbps", type=_positive_float, default=360.0, help="effective NVLink GB/s per direction")
+    p.add_argument("--ib-gbps", type=_positive_float, default=40.0, help="effective InfiniBand GB/s per GPU")
+    p.add_argument("--check-degrees", action="store_true",
+                   help="also compare magi's automatic degree with every fixed degree 1..8")
+    p.add_argument("--per-rank", action="store_true",
+                   help="every rank's end, compute, transfer, exposed transfer and idle (ms), not just the slowest")
+    p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s per GPU against cp (matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -229,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(plan)
     plan.add_argument("--plot", default=None, help="write a PNG of mask and dispatch")
     plan.add_argument("--verbose", action="store_true")
+    _simulate_parser(sub)
     sub.add_parser("env", help="versions and available backends")
     return parser
 
@@ -247,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.timeout = DEFAULT_TIMEOUT_S
     try:
-        return {"run": cmd_run, "plan": cmd_plan, "env": cmd_env}[args.cmd](args)
+        return {"run": cmd_run, "plan": cmd_plan, "simulate": cmd_simulate, "env": cmd_env}[args.cmd](args)
     except Exception as e:  # noqa: BLE001 - a CLI reports, --debug shows the traceback
         if args.debug:
             raise

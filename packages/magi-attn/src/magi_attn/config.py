@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from magi_comm import DEFAULT_TIMEOUT_S
+from magi_comm import COLLECTIVE_KINDS, DEFAULT_TIMEOUT_S
 from magi_kernels import BACKENDS
 from magi_solver import DispatchConfig, OverlapConfig
 
 __all__ = ["COMM_BACKENDS", "DistAttnConfig", "DispatchConfig", "OverlapConfig"]
 
-COMM_BACKENDS = ("a2a", "ipc", "hier")
+COMM_BACKENDS = COLLECTIVE_KINDS  # the transports magi_comm.make_group_collective builds
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,12 @@ class DistAttnConfig:
             enforces it on the host; on NCCL the process group's own timeout
             (``init_process_group(timeout=...)``) ends a hang, and magi's launchers set that to
             this value. None waits forever.
+        deterministic: bitwise-identical outputs and gradients from run to run on the GPU: the
+            backward's dK/dV GroupReduce sums the ranks' partials in a fixed order
+            (:func:`magi_comm.add_rows`; with ``comm_backend="ipc"`` the reduce runs over
+            all-to-all) and the kernels take their deterministic backward (the Triton backward
+            with separate dQ programs, as under ``torch.use_deterministic_algorithms(True)``,
+            which also turns this on). Costs are measured in the README's deterministic section.
     """
 
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
@@ -42,8 +48,11 @@ class DistAttnConfig:
     comm_backend: str = "a2a"
     ranks_per_node: int | None = None
     comm_timeout_s: float | None = DEFAULT_TIMEOUT_S
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"DistAttnConfig.deterministic must be a bool, got {self.deterministic!r}")
         if not isinstance(self.dispatch, DispatchConfig):
             raise TypeError(f"DistAttnConfig.dispatch must be a DispatchConfig, got {type(self.dispatch).__name__}")
         if not isinstance(self.overlap, OverlapConfig):

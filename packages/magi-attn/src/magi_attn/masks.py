@@ -8,11 +8,11 @@ from magi_solver import (
     AttnSlice,
     block_causal_slices,
     causal_slices,
+    check_positive_int,
     full_slices,
     shared_prefix_slices,
     varlen_slices,
 )
-from magi_solver.mask_builders import check_positive_int
 
 MASKS = (
     "full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal", "shared_prefix",
@@ -45,6 +45,7 @@ def sample_doc_lengths(total: int, seed: int = 0) -> list[int]:
 
 
 def cu_seqlens_of(lengths: list[int]) -> list[int]:
+    """Cumulative boundaries ``[0, l0, l0 + l1, ...]`` of documents of ``lengths``."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)

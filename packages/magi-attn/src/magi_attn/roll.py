@@ -34,7 +34,7 @@ class _RollPlan:
 @lru_cache(maxsize=64)
 def _plan(rt: DistAttnRuntime, shifts: int) -> _RollPlan:
     world, total = rt.plan.dispatch.cp_size, rt.total_seqlen
-    rank_rows = [rows.tolist() for rows in rt.rank_rows]  # local row -> global row, per rank
+    rank_rows = [rows.tolist() for rows in rt.rows.rank_rows]  # local row -> global row, per rank
     where = {g: (r, i) for r, rows in enumerate(rank_rows) for i, g in enumerate(rows)}  # global -> (rank, row)
     me = rt.rank
     sends: list[list[int]] = [[] for _ in range(world)]

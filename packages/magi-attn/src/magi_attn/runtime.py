@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from magi_solver import DispatchPlan, DistAttnPlan, GroupCastPlan, GroupReducePlan
+from magi_comm import GroupCollective, make_group_collective
+from magi_solver import DispatchPlan, DistAttnPlan, GroupCastPlan
 
 from .config import DistAttnConfig
 from .cp_mesh import NodeGroups
@@ -42,6 +43,27 @@ def _rank_rows(d: DispatchPlan, rank: int) -> torch.Tensor:
     return rows[rows < d.total_seqlen]  # the last chunk of the sequence may be short
 
 
+@dataclass(frozen=True)
+class RowPlacement:
+    """Where the rows of one dispatched sequence live, as index tensors: the query side of every
+    key, and the K/V side of a cross-attention key with sharded K/V."""
+
+    rank_rows: tuple[torch.Tensor, ...]  # per rank: global row of each local row (lengths may differ)
+    # undispatch's all-gather moves equal blocks of the largest shard's rows (gloo's all_gather
+    # takes equal sizes only); gather_index[g] is global row g's place in that gathered buffer
+    gather_rows: int
+    gather_index: torch.Tensor
+
+    @classmethod
+    def of(cls, d: DispatchPlan) -> "RowPlacement":
+        rank_rows = tuple(_rank_rows(d, r) for r in range(d.cp_size))
+        gather_rows = max(rows.numel() for rows in rank_rows)
+        gather_index = torch.empty(d.total_seqlen, dtype=torch.long)
+        for r, rows in enumerate(rank_rows):
+            gather_index[rows] = torch.arange(rows.numel(), dtype=torch.long) + r * gather_rows
+        return cls(rank_rows, gather_rows, gather_index)
+
+
 class DistAttnRuntime:
     """What one rank needs at run time; built once per key and cached."""
 
@@ -53,58 +75,26 @@ class DistAttnRuntime:
         self.shard_seqlens = d.shard_seqlens  # ranks may hold different token counts (no padding)
         self.shard_seqlen = self.shard_seqlens[rank]
         self.total_seqlen = d.total_seqlen
-        self.rank_rows = [_rank_rows(d, r) for r in range(d.cp_size)]  # global row of each local row, per rank
-        self.local_index = self.rank_rows[rank]
+        self.cp_size = d.cp_size
+        self.rows = RowPlacement.of(d)
+        self.local_index = self.rows.rank_rows[rank]  # global row of each local row
         self.position_ids = self.local_index
-        # dispatch's all-gather moves equal blocks of the largest shard's rows (gloo's all_gather
-        # takes equal sizes only); gather_index[g] is global row g's place in that gathered buffer
-        self.gather_rows = max(self.shard_seqlens)
-        gather_index = torch.empty(d.total_seqlen, dtype=torch.long)
-        for r, rows in enumerate(self.rank_rows):
-            gather_index[rows] = torch.arange(rows.numel(), dtype=torch.long) + r * self.gather_rows
-        self.gather_index = gather_index
+        self.kv_shard_seqlen = plan.kv_shard_seqlens[rank]  # local K/V rows (shard_seqlen unless cross-attention)
         calc = plan.calc_plan(rank)
         self.calc = calc
         self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]
-        self.reduce_plans: list[GroupReducePlan] = [p.transpose() for p in self.cast_plans]
+        # stage s: cast_plans[s] brings remote KV here; its transpose sums dK/dV back
+        ng = node_groups
+        self.comm: GroupCollective = make_group_collective(
+            config.comm_backend, self.cast_plans, group,
+            timeout_s=config.comm_timeout_s,
+            ranks_per_node=config.ranks_per_node if ng is None else ng.ranks_per_node,
+            ordered=config.deterministic or torch.are_deterministic_algorithms_enabled(),
+            node_groups=None if ng is None or config.comm_backend != "hier" else (ng.intra, ng.inter))
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
-        self._ipc = None
-        self._hier = None
         # the (dtype, device, scale, softcap, backend, autograd) the ranks last agreed on (agreement.py)
         self.agreed_call: tuple | None = None
         logger.debug("rank %d runtime: %s", rank, plan.summary())
-
-    def ipc(self, kv: torch.Tensor):
-        """The CUDA IPC collectives of this runtime (built on first use, sized for the largest
-        stage of this plan), or None with the a2a backend."""
-        if self.config.comm_backend != "ipc":
-            return None
-        if self._ipc is None:
-            from magi_comm.ipc import IpcGroupCollectives
-
-            row = kv[0].numel()
-            most = max([self.shard_seqlen] + [p.output_rows for p in self.cast_plans])
-            nbytes = most * row * max(kv.element_size(), 4) + 256
-            self._ipc = IpcGroupCollectives(self.group, nbytes, kv.device)
-        return self._ipc
-
-    def hier(self, kv: torch.Tensor):
-        """(two-hop collectives, per-stage two-hop plans) with the "hier" backend, else None. A
-        stage's plan serves its cast and, transposed, its dK/dV reduce. All stages are planned on
-        first use (one collective metadata exchange per stage, every rank in the same order),
-        before any data moves."""
-        if self.config.comm_backend != "hier" or self.group is None:
-            return None
-        if self._hier is None:
-            from magi_comm.hierarchical import shared_collectives
-
-            ng = self.node_groups
-            hc = (shared_collectives(self.group, self.config.ranks_per_node) if ng is None
-                  else shared_collectives(self.group, ng.ranks_per_node, (ng.intra, ng.inter)))
-            plans = [hc.cast_plan(p.input_split_sizes, p.dst_indices, p.output_split_sizes, p.src_index, kv.device)
-                     for p in self.cast_plans]
-            self._hier = (hc, plans)
-        return self._hier
 
     @property
     def no_overlap(self) -> bool:
@@ -118,6 +108,6 @@ class DistAttnRuntime:
             c = self.calc
             host = SliceArgs.build(c.host, c.host_area)
             stages = [SliceArgs.build(s, a) for s, a in zip(c.stages, c.stage_areas)]
-            merged = SliceArgs.build(c.merged(self.shard_seqlen), c.host_area + sum(c.stage_areas))
+            merged = SliceArgs.build(c.merged(self.kv_shard_seqlen), c.host_area + sum(c.stage_areas))
             self._slice_args = (host, stages, merged)
         return self._slice_args

@@ -1,21 +1,22 @@
 """GroupCast and GroupReduce over ``torch.distributed.all_to_all_single``.
 
 Works on gloo (CPU) and NCCL (GPU). The split-level arguments are turned once into row index
-tensors (a gather before the all-to-all, a scatter or scatter-reduce after it), cached per
-argument set.
+tensors (:mod:`magi_comm.index_plan`: a gather before the all-to-all, a scatter or
+scatter-reduce after it), cached per argument set; this module moves the rows.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from magi_kernels import on_device
+
 from . import native
-from .device_index import on_device
+from .index_plan import A2AIndexPlan, cast_index_plan, reduce_index_plan
+from .ordered_add import add_rows
 from .waiting import DEFAULT_TIMEOUT_S, wait_works
 
 REDUCE_OPS = ("sum", "lse")
@@ -24,88 +25,6 @@ REDUCE_OPS = ("sum", "lse")
 # of those, what the two-hop path sent between nodes; benchmarks compare them with the plan.
 # Reset with ``COMM_STATS.update(sent=0, received=0, inter_node_sent=0)``.
 COMM_STATS = {"sent": 0, "received": 0, "inter_node_sent": 0}
-
-
-@dataclass(frozen=True)
-class A2AIndexPlan:
-    """Row-level form of a group collective for one rank.
-
-    ``send_rows`` (grouped by destination rank, in rank order) are gathered from the input and
-    sent with ``send_counts``; received rows (grouped by source) land at ``recv_rows`` of the
-    output. ``recv_rows`` may repeat (reduce)."""
-
-    send_rows: torch.Tensor
-    send_counts: tuple[int, ...]
-    recv_rows: torch.Tensor
-    recv_counts: tuple[int, ...]
-
-
-def _split_offsets(sizes: Sequence[int]) -> list[int]:
-    offs, pos = [], 0
-    for s in sizes:
-        offs.append(pos)
-        pos += s
-    return offs
-
-
-def _rows(pairs: list[tuple[int, int]]) -> torch.Tensor:
-    if not pairs:
-        return torch.empty(0, dtype=torch.long)
-    return torch.cat([torch.arange(o, o + n, dtype=torch.long) for o, n in pairs])
-
-
-def _check_ranks(ranks: Sequence[int], world: int, name: str) -> None:
-    for r in ranks:
-        if not 0 <= r < world:
-            raise ValueError(f"{name} names rank {r}, but the group has {world} ranks")
-
-
-@functools.lru_cache(maxsize=4096)
-def cast_index_plan(
-    input_split_sizes: tuple[int, ...],
-    dst_indices: tuple[tuple[int, ...], ...],
-    output_split_sizes: tuple[int, ...],
-    src_index: tuple[int, ...],
-    world: int,
-) -> A2AIndexPlan:
-    if len(input_split_sizes) != len(dst_indices):
-        raise ValueError("input_split_sizes and dst_indices must have the same length")
-    if len(output_split_sizes) != len(src_index):
-        raise ValueError("output_split_sizes and src_index must have the same length")
-    for d in dst_indices:
-        _check_ranks(d, world, "dst_indices")
-    _check_ranks(src_index, world, "src_index")
-    if native.AVAILABLE:  # same construction in C++: planning cost grows with rows
-        return A2AIndexPlan(*native.cast_index_rows(input_split_sizes, dst_indices, output_split_sizes, src_index, world))
-    return _cast_index_plan_py(input_split_sizes, dst_indices, output_split_sizes, src_index, world)
-
-
-def _cast_index_plan_py(input_split_sizes, dst_indices, output_split_sizes, src_index, world) -> A2AIndexPlan:
-    in_off, out_off = _split_offsets(input_split_sizes), _split_offsets(output_split_sizes)
-    send, send_counts = [], []
-    for dst in range(world):
-        pairs = [(o, n) for o, n, d in zip(in_off, input_split_sizes, dst_indices) if dst in d and n]
-        send.extend(pairs)
-        send_counts.append(sum(n for _, n in pairs))
-    recv, recv_counts = [], []
-    for src in range(world):
-        pairs = [(o, n) for o, n, s in zip(out_off, output_split_sizes, src_index) if s == src and n]
-        recv.extend(pairs)
-        recv_counts.append(sum(n for _, n in pairs))
-    return A2AIndexPlan(_rows(send), tuple(send_counts), _rows(recv), tuple(recv_counts))
-
-
-@functools.lru_cache(maxsize=4096)
-def reduce_index_plan(
-    input_split_sizes: tuple[int, ...],
-    dst_index: tuple[int, ...],
-    output_split_sizes: tuple[int, ...],
-    src_indices: tuple[tuple[int, ...], ...],
-    world: int,
-) -> A2AIndexPlan:
-    # the exact transpose of a cast: reuse its construction with the roles swapped
-    cast = cast_index_plan(output_split_sizes, src_indices, input_split_sizes, dst_index, world)
-    return A2AIndexPlan(cast.recv_rows, cast.recv_counts, cast.send_rows, cast.send_counts)
 
 
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -133,6 +52,11 @@ class PendingCollective:
         self._works, self._finish, self._result = works, finish, None
         self._group, self._timeout_s, self._what = group, timeout_s, what
 
+    @classmethod
+    def finished(cls, result) -> "PendingCollective":
+        """A handle of a collective that already ran (synchronous transports); ``wait()`` returns ``result``."""
+        return cls([], lambda: result)
+
     def wait(self):
         if self._finish is not None:
             wait_works(self._works, self._group, self._timeout_s, self._what)
@@ -141,7 +65,7 @@ class PendingCollective:
         return self._result
 
 
-def _exchange(
+def exchange_rows(
     tensors: list[torch.Tensor], plan: A2AIndexPlan, group: dist.ProcessGroup | None, world: int
 ) -> tuple[list[torch.Tensor], list]:
     """Gather send rows of each tensor and start the all-to-alls; returns receive buffers."""
@@ -198,7 +122,7 @@ def group_cast(
         output = input.new_zeros((n_out, *input.shape[1:]))
     elif output.shape != (n_out, *input.shape[1:]):
         raise ValueError(f"output must have shape {(n_out, *input.shape[1:])}, got {tuple(output.shape)}")
-    (recv,), works = _exchange([input], plan, group, world)
+    (recv,), works = exchange_rows([input], plan, group, world)
 
     def finish():
         output.index_copy_(0, on_device(plan.recv_rows, output.device), recv)
@@ -240,6 +164,7 @@ def group_reduce(
     output_lse: torch.Tensor | None = None,
     async_op: bool = False,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ordered: bool = False,
 ):
     """Send input split ``i`` to rank ``dst_index[i]``; output split ``j`` is reduced *in place*
     (accumulated onto ``output``) from the partials of every rank in ``src_indices[j]``.
@@ -247,6 +172,7 @@ def group_reduce(
     ``op="sum"`` adds; ``op="lse"`` merges partial attention outputs with their LSEs
     (``input_lse``/``output_lse`` ``[rows, heads]``; ``output_lse`` is updated in place too).
     Returns ``output`` or a :class:`PendingCollective`; ``timeout_s`` as in :func:`group_cast`.
+    ``ordered``: sums in a fixed order (:func:`magi_comm.add_rows`), bitwise reproducible on GPU.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
@@ -262,12 +188,12 @@ def group_reduce(
         tuple(int(x) for x in output_split_sizes), tuple(tuple(int(r) for r in s) for s in src_indices), world,
     )
     tensors = [input] if op == "sum" else [input, input_lse]
-    bufs, works = _exchange(tensors, plan, group, world)
+    bufs, works = exchange_rows(tensors, plan, group, world)
 
     def finish():
         rows = on_device(plan.recv_rows, output.device)
         if op == "sum":
-            output.index_add_(0, rows, bufs[0].to(output.dtype))
+            add_rows(output, rows, bufs[0], ordered=ordered, rows_host=plan.recv_rows)
         else:
             lse_scatter_merge(output, output_lse, rows, bufs[0], bufs[1])
         return output

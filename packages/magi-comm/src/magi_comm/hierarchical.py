@@ -1,19 +1,14 @@
 """Node-aware GroupCast / GroupReduce: every row crosses the inter-node network once per
 destination *node*, then is forwarded inside the node (RDMA dedup, as DeepEP does).
 
-Ranks are grouped into nodes of ``ranks_per_node`` consecutive ranks. A cast takes two hops:
-
-1. inter-node, among the ranks with the same local index (one per node): a split goes once to
-   the *proxy* on each node that has any of its destinations (the proxy has the sender's local
-   index);
-2. intra-node, among the ranks of a node: each proxy forwards what it received (and its own
-   rows) to the final destinations on its node.
-
-A reduce is the exact transpose: partials are first pre-reduced at the proxy of their node
-(sum, or the LSE merge of partial attention outputs), then each reduced row crosses the network
-once. The transport of each hop is ``torch.distributed.all_to_all_single`` (NCCL over
-NVLink / InfiniBand on GPUs, gloo on CPUs), so the path runs and is tested anywhere; a native
-NVSHMEM transport would replace hop 1 with device-initiated puts.
+The routes and per-hop row plans are computed by :mod:`magi_comm.two_hop_plan`; this module
+creates the intra- and inter-node process groups (once per group and node size, cached),
+exchanges the small routing metadata a plan needs, and moves the rows. A reduce pre-reduces
+partials at the proxy of their node (sum, or the LSE merge of partial attention outputs), then
+each reduced row crosses the network once. The transport of each hop is
+``torch.distributed.all_to_all_single`` (NCCL over NVLink / InfiniBand on GPUs, gloo on CPUs), so
+the path runs and is tested anywhere; a native NVSHMEM transport would replace hop 1 with
+device-initiated puts.
 
 Hop 2 of a proxy needs to know, for every split it receives in hop 1, which local ranks want it.
 That metadata is exchanged with two small all-to-alls when a plan is built; a caller that passes
@@ -22,175 +17,19 @@ the same ``plan_key`` on every rank for the same collective gets the plan cached
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable
 
 import torch
 import torch.distributed as dist
 
-from .device_index import on_device
+from magi_kernels import on_device, per_tensor
+
+from .group_collective import COMM_STATS, REDUCE_OPS, PendingCollective, exchange_rows, lse_scatter_merge
+from .index_plan import A2AIndexPlan, check_ranks
+from .ordered_add import add_rows
+from .two_hop_plan import Meta, NodeTopology, TwoHopPlan, default_ranks_per_node, outgoing_meta, two_hop_cast_plan
 from .waiting import DEFAULT_TIMEOUT_S, wait_works
-from .group_collective import (
-    COMM_STATS,
-    REDUCE_OPS,
-    A2AIndexPlan,
-    PendingCollective,
-    _check_ranks,
-    _exchange,
-    _rows,
-    _split_offsets,
-    lse_scatter_merge,
-)
-
-MAX_RANKS_PER_NODE = 62  # local destinations of a split travel as bits of one int64
-
-
-@dataclass(frozen=True)
-class NodeTopology:
-    """``world`` ranks in nodes of ``ranks_per_node`` consecutive ranks."""
-
-    world: int
-    ranks_per_node: int
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.ranks_per_node <= MAX_RANKS_PER_NODE:
-            raise ValueError(f"ranks_per_node must be in [1, {MAX_RANKS_PER_NODE}], got {self.ranks_per_node}")
-        if self.world % self.ranks_per_node:
-            raise ValueError(
-                f"world size {self.world} is not a multiple of ranks_per_node={self.ranks_per_node}; "
-                "pass the number of ranks on each node (every node must hold the same number)")
-
-    @property
-    def nodes(self) -> int:
-        return self.world // self.ranks_per_node
-
-    def node(self, rank: int) -> int:
-        return rank // self.ranks_per_node
-
-    def local(self, rank: int) -> int:
-        return rank % self.ranks_per_node
-
-    def rank(self, node: int, local: int) -> int:
-        return node * self.ranks_per_node + local
-
-
-def default_ranks_per_node(world: int) -> int:
-    """``LOCAL_WORLD_SIZE`` (set by torchrun) when it divides the world, else one node."""
-    env = os.environ.get("LOCAL_WORLD_SIZE")
-    if env and int(env) > 0 and world % int(env) == 0:
-        return int(env)
-    return world
-
-
-Meta = list[tuple[int, int]]  # (rows, bitmask of local destinations) per split, in split order
-
-
-def outgoing_meta(topo: NodeTopology, me: int, input_split_sizes: Sequence[int],
-                  dst_indices: Sequence[Sequence[int]]) -> list[Meta]:
-    """Per destination node: the splits this rank sends there in hop 1 (none to its own node)."""
-    out: list[Meta] = [[] for _ in range(topo.nodes)]
-    for size, dsts in zip(input_split_sizes, dst_indices):
-        if not size:
-            continue
-        masks: dict[int, int] = {}
-        for d in set(dsts):
-            masks[topo.node(d)] = masks.get(topo.node(d), 0) | (1 << topo.local(d))
-        for n, mask in sorted(masks.items()):
-            if n != topo.node(me):
-                out[n].append((size, mask))
-    return out
-
-
-@dataclass(frozen=True)
-class TwoHopPlan:
-    """Hop 1 gathers from the input; hop 2 gathers from ``cat(input, hop-1 rows)`` and lands at
-    ``intra.recv_rows`` of the output."""
-
-    inter: A2AIndexPlan
-    intra: A2AIndexPlan
-
-    @property
-    def hop1_rows(self) -> int:
-        return sum(self.inter.recv_counts)
-
-
-def two_hop_cast_plan(
-    topo: NodeTopology, me: int,
-    input_split_sizes: Sequence[int], dst_indices: Sequence[Sequence[int]],
-    output_split_sizes: Sequence[int], src_index: Sequence[int],
-    incoming: Sequence[Meta],
-) -> TwoHopPlan:
-    """Row plan of one rank; ``incoming[n]`` is what the proxy-peer on node ``n`` sends here in
-    hop 1 (its ``outgoing_meta`` for this rank's node). Pure: no communication."""
-    my_node, my_local, L = topo.node(me), topo.local(me), topo.ranks_per_node
-    in_off = _split_offsets(input_split_sizes)
-    n_input = sum(input_split_sizes)
-    # hop 1: each split once per remote node that holds any of its destinations
-    send1, counts1 = [], []
-    for n in range(topo.nodes):
-        pairs = []
-        if n != my_node:
-            for o, size, dsts in zip(in_off, input_split_sizes, dst_indices):
-                if size and any(topo.node(d) == n for d in dsts):
-                    pairs.append((o, size))
-        send1.extend(pairs)
-        counts1.append(sum(s for _, s in pairs))
-    recv_counts1 = [sum(s for s, _ in incoming[n]) if n != my_node else 0 for n in range(topo.nodes)]
-    n1 = sum(recv_counts1)
-    inter = A2AIndexPlan(_rows(send1), tuple(counts1), torch.arange(n1, dtype=torch.long), tuple(recv_counts1))
-    # hop 1 rows of every source node, with their local destination masks, at cat() positions
-    hop1: dict[int, list[tuple[int, int, int]]] = {}
-    pos = n_input
-    for n in range(topo.nodes):
-        if n == my_node:
-            continue
-        hop1[n] = []
-        for size, mask in incoming[n]:
-            hop1[n].append((pos, size, mask))
-            pos += size
-    # hop 2 to local q: for every source s with my local index (ascending), its rows for q
-    send2, counts2 = [], []
-    for q in range(L):
-        dst = topo.rank(my_node, q)
-        pairs = []
-        for n in range(topo.nodes):
-            if n == my_node:
-                pairs += [(o, size) for o, size, dsts in zip(in_off, input_split_sizes, dst_indices)
-                          if size and dst in dsts]
-            else:
-                pairs += [(p, size) for p, size, mask in hop1[n] if mask >> q & 1]
-        send2.extend(pairs)
-        counts2.append(sum(s for _, s in pairs))
-    # a receiver gets from local p the rows of the sources (n, p), ascending, each in split order
-    out_off = _split_offsets(output_split_sizes)
-    recv2, recv_counts2 = [], []
-    for p in range(L):
-        pairs = []
-        for n in range(topo.nodes):
-            src = topo.rank(n, p)
-            pairs += [(o, size) for o, size, s in zip(out_off, output_split_sizes, src_index) if s == src and size]
-        recv2.extend(pairs)
-        recv_counts2.append(sum(s for _, s in pairs))
-    intra = A2AIndexPlan(_rows(send2), tuple(counts2), _rows(recv2), tuple(recv_counts2))
-    return TwoHopPlan(inter, intra)
-
-
-def inter_node_rows(topo: NodeTopology, me: int, input_split_sizes: Sequence[int],
-                    dst_indices: Sequence[Sequence[int]], dedup: bool) -> int:
-    """Rows this rank puts on the inter-node network: once per remote destination *rank* for a
-    flat all-to-all, once per remote destination *node* with the two-hop path."""
-    total = 0
-    for size, dsts in zip(input_split_sizes, dst_indices):
-        remote = {d for d in dsts if topo.node(d) != topo.node(me)}
-        total += size * (len({topo.node(d) for d in remote}) if dedup else len(remote))
-    return total
-
-
-def _transposed(plan: A2AIndexPlan) -> A2AIndexPlan:
-    return A2AIndexPlan(plan.recv_rows, plan.recv_counts, plan.send_rows, plan.send_counts)
-
 
 _SHARED: dict[tuple, "HierarchicalCollectives"] = {}
 
@@ -279,8 +118,8 @@ class HierarchicalCollectives:
         args = (tuple(int(x) for x in input_split_sizes), tuple(tuple(int(r) for r in d) for d in dst_indices),
                 tuple(int(x) for x in output_split_sizes), tuple(int(x) for x in src_index))
         for d in args[1]:
-            _check_ranks(d, self.topo.world, "dst_indices")
-        _check_ranks(args[3], self.topo.world, "src_index")
+            check_ranks(d, self.topo.world, "dst_indices")
+        check_ranks(args[3], self.topo.world, "src_index")
         if plan_key is not None and plan_key in self._cache:
             cached_args, plan = self._cache[plan_key]
             if cached_args != args:
@@ -303,7 +142,7 @@ class HierarchicalCollectives:
             for t in tensors:
                 row = t[0].numel() * t.element_size() if t.shape[0] else 0
                 COMM_STATS["inter_node_sent"] += sum(plan.send_counts) * row
-        return _exchange(tensors, plan, group, size)
+        return exchange_rows(tensors, plan, group, size)
 
     def group_cast(self, input: torch.Tensor, *, input_split_sizes, output_split_sizes, dst_indices, src_index,
                    output: torch.Tensor | None = None, async_op: bool = False, plan_key: Hashable | None = None,
@@ -335,11 +174,12 @@ class HierarchicalCollectives:
                      dst_index, src_indices, op: str = "sum", input_lse: torch.Tensor | None = None,
                      output_lse: torch.Tensor | None = None, async_op: bool = False,
                      plan_key: Hashable | None = None, plan: TwoHopPlan | None = None,
-                     timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                     timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False):
         """As :func:`magi_comm.group_reduce`: partials are pre-reduced on their node's proxy, so
         each reduced row crosses the network once. Sums run in another order than the flat
         reduce (equal up to rounding); ``op="lse"`` merges with the same rule. ``plan``: the
-        :meth:`cast_plan` of the transposed arguments, built beforehand."""
+        :meth:`cast_plan` of the transposed arguments, built beforehand. ``ordered``: sums in a
+        fixed order (:func:`magi_comm.add_rows`), bitwise reproducible."""
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         if op == "lse" and (input_lse is None or output_lse is None):
@@ -352,26 +192,35 @@ class HierarchicalCollectives:
             plan = self.cast_plan(output_split_sizes, src_indices, input_split_sizes, dst_index, output.device, plan_key)
         n_out, n1 = output.shape[0], plan.hop1_rows
         tensors = [input] if op == "sum" else [input, input_lse]
-        bufs, works = self._hop(tensors, _transposed(plan.intra), inter=False)
+        bufs, works = self._hop(tensors, plan.intra.transposed(), inter=False)
 
-        def reduce_into(out, out_lse, rows, parts):
+        def reduce_into(out, out_lse, rows_host, parts):
+            rows = on_device(rows_host, out.device)
             if op == "sum":
-                out.index_add_(0, rows, parts[0].to(out.dtype))
+                add_rows(out, rows, parts[0], ordered=ordered, rows_host=rows_host)
             else:
                 lse_scatter_merge(out, out_lse, rows, parts[0], parts[1])
 
         def finish():
             wait_works(works, self.intra, timeout_s, "GroupReduce (intra-node hop)")
-            rows = on_device(plan.intra.send_rows, output.device)  # positions in cat(output, proxy buffer)
-            own = rows < n_out
-            reduce_into(output, output_lse, rows[own], [b[own] for b in bufs])
+            # positions in cat(output, proxy buffer), split once per plan into own rows and proxy rows
+            own, own_rows, proxy_rows = per_tensor(plan.intra.send_rows, f"own rows {n_out}",
+                                                   lambda: _split_own(plan.intra.send_rows, n_out))
+            own_d = on_device(own, output.device)
+            reduce_into(output, output_lse, own_rows, [b[own_d] for b in bufs])
             tmp = output.new_zeros((n1, *output.shape[1:]))
             tmp_lse = output_lse.new_full((n1, *output_lse.shape[1:]), float("-inf")) if op == "lse" else None
-            reduce_into(tmp, tmp_lse, rows[~own] - n_out, [b[~own] for b in bufs])
-            back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], _transposed(plan.inter), inter=True)
+            reduce_into(tmp, tmp_lse, proxy_rows, [b[~own_d] for b in bufs])
+            back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], plan.inter.transposed(), inter=True)
             wait_works(works2, self.inter, timeout_s, "GroupReduce (inter-node hop)")
-            reduce_into(output, output_lse, on_device(plan.inter.send_rows, output.device), back)
+            reduce_into(output, output_lse, plan.inter.send_rows, back)
             return output
 
         pending = PendingCollective([], finish)
         return pending if async_op else pending.wait()
+
+
+def _split_own(rows: torch.Tensor, n_out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask of the rows below ``n_out``, those rows, the others minus ``n_out``) of host ``rows``."""
+    own = rows < n_out
+    return own, rows[own], rows[~own] - n_out

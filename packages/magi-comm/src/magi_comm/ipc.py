@@ -4,8 +4,9 @@ Every rank of the group registers one device arena; the arenas are mapped into e
 process with CUDA IPC. A cast is one fused launch per destination that gathers the rows it
 sends from the local input and writes them straight to their final positions in the peer's
 output (no staging copy, no NCCL); a sum-reduce is one launch per destination that atomically
-adds fp32 partials into the peer's accumulator. Host barriers order the phases (v1: simple and
-correct; a device-side flag handshake is the next step).
+adds fp32 partials into the peer's accumulator. Host barriers order the phases, so every call
+synchronises the host with the device and returns finished; a device-side flag handshake would
+let it overlap with compute, and is not written.
 
 Needs: all ranks on one host, CUDA tensors, the native extension built with CUDA.
 """
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import native
-from .group_collective import cast_index_plan, reduce_index_plan
+from .index_plan import cast_index_plan, reduce_index_plan
 
 
 def ipc_supported(device: torch.device | None = None) -> tuple[bool, str]:

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from .device_index import on_device
+from magi_kernels import on_device
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,16 @@ def cuda_usable(device_index: int) -> tuple[bool, str]:
         logger.warning("magi-comm: native CUDA kernels disabled on cuda:%d: %s; using the PyTorch path "
                        "(rebuild magi-comm with MAGI_CUDA_ARCHS including %d%d to get them)", device_index, why, *cap)
     return ok, why
+
+
+def native_build_info(device_index: int | None = None) -> dict:
+    """What magi-comm's native extension was built with: ``available``, ``with_cuda``,
+    ``cuda_archs``, ``reason`` (why it is missing), and with ``device_index`` given (a CUDA
+    device; initialises CUDA) ``this_gpu``: whether its kernels run there and why."""
+    info = {"available": AVAILABLE, "with_cuda": WITH_CUDA, "cuda_archs": list(CUDA_ARCHS), "reason": REASON}
+    if device_index is not None:
+        info["this_gpu"] = cuda_usable(device_index)[1]
+    return info
 
 
 def _require_cuda(device: torch.device) -> None:

@@ -8,20 +8,20 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 
-# Switches of kernel variants that lost their A/B and were removed (issue 41; the measurements
-# are in docs/notes/kernel_measurements.md): what the kernels do now, whatever the switch says.
+# Switches of kernel variants that lost their A/B and were removed (the decisions are in
+# docs/design.md): what the kernels do now, whatever the switch says.
 REMOVED_SWITCHES: dict[str, str] = {
-    "MAGI_GLUON_BWD_SCORES": "always key-major scores, S^T = K Q^T; notes v12",
-    "MAGI_GLUON_BWD_DQ_FIRST": "always dK issued before dQ; notes v10, v13",
-    "MAGI_GLUON_BWD_DS_SYNC": "always the dS exchange without a release barrier, 'implied'; notes v24",
-    "MAGI_GLUON_BWD_WALK": "always the head walk, 'head'; notes v14, v24",
+    "MAGI_GLUON_BWD_SCORES": "always key-major scores, S^T = K Q^T",
+    "MAGI_GLUON_BWD_DQ_FIRST": "always dK issued before dQ",
+    "MAGI_GLUON_BWD_DS_SYNC": "always the dS exchange without a release barrier, 'implied'",
+    "MAGI_GLUON_BWD_WALK": "always the head walk, 'head'",
     "MAGI_GLUON_BWD_TRACE": "the per-program trace was removed",
-    "MAGI_GLUON_FWD_JOIN": "always the softmax in both branches of the partial-block test; notes v15",
-    "MAGI_GLUON_FWD_ORDER": "always the KV-major order, 'kv'; notes v15, v22, v24",
-    "MAGI_GLUON_FWD_PERSIST": "always the persistent forward; notes v19, v22, v24",
-    "MAGI_TRITON_WS": "never a warp-specialised forward loop; notes v4",
-    "MAGI_TRITON_BWD_WS": "never warp-specialised backward loops; notes v6",
-    "MAGI_TRITON_BWD_FUSE": "always dK/dV and dQ in one launch where the layers allow it; notes v4",
+    "MAGI_GLUON_FWD_JOIN": "always the softmax in both branches of the partial-block test",
+    "MAGI_GLUON_FWD_ORDER": "always the KV-major order, 'kv'",
+    "MAGI_GLUON_FWD_PERSIST": "always the persistent forward",
+    "MAGI_TRITON_WS": "never a warp-specialised forward loop",
+    "MAGI_TRITON_BWD_WS": "never warp-specialised backward loops",
+    "MAGI_TRITON_BWD_FUSE": "always dK/dV and dQ in one launch where the layers allow it",
 }
 
 

@@ -14,7 +14,7 @@ the key tiles of causal slices differ in length (causal, packed causal documents
 program runs as pieces over a chunk of the GQA group instead, each KV head's tiles over one
 chunk before the next, so that the resident pieces stay on one chunk's rows in L2; their dK/dV
 go out as TMA reduce-adds (``MAGI_GLUON_BWD_PIECES``, ``MAGI_GLUON_BWD_PIECE_ADD``; x1.06-1.38
-on causal, v19). The program forks into:
+on causal). The program forks into:
 
 * a loader warp (24 registers): TMA of the K/V tile once, then each step's Q and dO blocks into
   a ring of ``STAGES`` buffers ("ready" mbarriers with a byte count, an "empty" one per slot),
@@ -22,7 +22,7 @@ on causal, v19). The program forks into:
 * two consumer warpgroups (240 registers), each owning 64 of the tile's keys. The scores are
   key-major: S^T = K Q^T and dP^T = V dO^T (issued together), so P^T and dS^T are already the
   register A operands of dV += P^T dO and dK += dS^T Q (FA3's layout for d=128; +4-10 % over
-  the query-major S = Q K^T of v9-v11, v12 notes). The two warpgroups' dS halves make the
+  the query-major S = Q K^T). The two warpgroups' dS halves make the
   block's dS (double-buffered, one mbarrier per buffer, ``_consumer``); each warpgroup then
   computes half of dQ = dS K (64 of the head dim's columns) and adds it to an fp32 dQ in global
   memory with a TMA bulk reduce-add, which runs while the next block is computed.
@@ -74,7 +74,7 @@ if AVAILABLE:
     )
 
 # (BM, BN, STAGES) per head dim: BM query rows per step, BN keys per program (two warpgroups of
-# BN/2), STAGES-deep Q/dO ring (3: +3-5 % over 2 at 8k-32k, v13 notes; 231424 of the 232448
+# BN/2), STAGES-deep Q/dO ring (3: +3-5 % over 2 at 8k-32k; 231424 of the 232448
 # bytes of shared memory)
 CONFIGS = {128: (64, 128, 3)}
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default backward
@@ -91,7 +91,7 @@ def _config(d: int) -> tuple[int, int, int]:
 def _rotate() -> bool:
     """``MAGI_GLUON_BWD_ROTATE=0/1`` (default 1): whether each key tile starts at its diagonal
     query block (see ``epilogue_jit.walk_start``; +4.5 % at 16k full, within 1 %
-    elsewhere: docs/notes/kernel_measurements.md, v9)."""
+    elsewhere)."""
     return env_choice("MAGI_GLUON_BWD_ROTATE", "1", ("0", "1")) == "1"
 
 
@@ -123,7 +123,7 @@ def _piece_add() -> str:
     """``MAGI_GLUON_BWD_PIECE_ADD=auto/atomic/tma`` (default auto): how a piece adds its dK/dV,
     per-element fp32 atomics or TMA bulk reduce-adds of [64, 64] boxes staged through the
     dQ buffer (needs BN = 2 BM). ``auto``: TMA where every program runs as pieces and the tiles
-    allow it (v19: pieces of 3 heads with TMA adds were the best set on causal and packed
+    allow it (pieces of 3 heads with TMA adds were the best set on causal and packed
     causal documents), atomics for a split tail's few pieces."""
     return env_choice("MAGI_GLUON_BWD_PIECE_ADD", "auto", ("auto", "atomic", "tma"))
 
@@ -132,7 +132,7 @@ def _order_mode() -> str | int:
     """``MAGI_GLUON_BWD_ORDER=auto/head/tile/<band>`` (default auto): the launch order of the
     (key tile, KV head) programs (``program_order``). ``head``: the key tiles of one KV head,
     then the next (resident programs share one query head's Q/dO/dQ in L2: +11 % at 16k full,
-    +31 % at 32k full over ``tile``, docs/notes/kernel_measurements.md v10); ``tile``: every
+    +31 % at 32k full over ``tile``); ``tile``: every
     head's tile before the next tile, longest first (shortest tail); a number: the last that
     many heads tile-major; ``auto``: the smallest band of 1, 2, 4, ... heads whose simulated
     finish is within 5 % of tile-major's (``program_order.choose_band``)."""
@@ -280,7 +280,7 @@ if AVAILABLE:
         ``ds_full`` mbarrier per buffer (both halves stored). No barrier releases a buffer:
         a warpgroup overwrites buffer j % 2 at step j+2, after it has passed step j+1's
         exchange, and the other warpgroup arrives there only after its step-j dQ product, the
-        buffer's last reader (x1.00-1.03 per mask over a release mbarrier on an H100, v24)."""
+        buffer's last reader (x1.00-1.03 per mask over a release mbarrier on an H100)."""
         kv_bar, q_bars, do_bars, empty_bars, ds_full = bars
         W: gl.constexpr = BN // 2
         DH: gl.constexpr = D // 2
@@ -356,11 +356,10 @@ if AVAILABLE:
                     mbarrier.wait(ds_full.index(b), (j // 2) & 1)  # both halves stored
                     dq = warpgroup_mma(ds_b.permute((1, 0)), k_cols, zero_dq, use_acc=False,
                                        is_async=True)  # dQ[:, my half] = dS K
-                    # (issuing dQ before dK and writing it out while dK runs measured slower or even:
-                    # v10, v13)
+                    # (issuing dQ before dK and writing it out while dK runs measured slower or even)
                     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
                     mbarrier.arrive(empty_bars.index(s))
-                    # (fp32 atomics from the registers instead measured 12-28 % slower: v19)
+                    # (fp32 atomics from the registers instead measured 12-28 % slower)
                     tma.store_wait(0)  # the previous block's reduce-add has read my_dq
                     my_dq.store(dq * scale)
                     fence_async_shared()

@@ -3,13 +3,13 @@
 Persistent: one program per SM runs a queue of (query tile, query head) items, on the same
 tile tables as ``triton_backend`` (so overlapping slices, members and layers work unchanged).
 The items are taken KV-major: the tiles of one KV head's query heads, then the next KV head, so
-the resident programs share one KV head's K/V in L2 (v15: +3-5 % at 16k, +4-7 % at 32k over
-each tile for every head; v22/v24 on an H100: tile-major lost 2-6 % on full and causal). Each
+the resident programs share one KV head's K/V in L2 (+3-5 % at 16k, +4-7 % at 32k over
+each tile for every head on the H200; on an H100 tile-major lost 2-6 % on full and causal). Each
 SM's queue holds the items the list schedule of that order gives it
 (``program_order.list_queues``); the ring position and the ping-pong rounds run on from one
 item to the next, and a ``q_empty`` barrier hands the query buffer back to the loader, which
 loads the next item's query rows and first key blocks while the consumers finish the current
-one (x1.00-1.08 over one program per item on an H100, most on packed documents: v19, v22, v24).
+one (x1.00-1.08 over one program per item on an H100, most on packed documents).
 The program forks into:
 
 * a loader warp (24 registers) that TMA-loads each item's query tile, then every key block of
@@ -19,7 +19,7 @@ The program forks into:
   online softmax. Within a member the S = Q K^T of block j+1 is issued before the P V of block
   j, so the softmax of one block overlaps the tensor cores' work on the other (FA3's intra-
   warpgroup overlap; the softmax sits whole in each branch of the partial-block test, or ptxas
-  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch, v15); with
+  hoists the wait for P V above it: +0.5-2 % over the mask alone in the branch); with
   ping-pong the two warpgroups also issue their
   matmuls in alternate rounds, so one's softmax runs while the other's matmuls hold the
   tensor cores.
@@ -61,8 +61,8 @@ if AVAILABLE:
 # (BM, BN, STAGES, PARTS, PING) per head dim; BM is the query tile (two warpgroups of BM/2 rows,
 # in PARTS consumer partitions; PING: ping-pong of their matmuls when PARTS is 2)
 # d=64 compiles and timed faster than Triton's forward at 16k (full 454 vs 380 TFLOP/s) but its
-# correctness run did not finish on the device: not offered until it does (notes, v8)
-CONFIGS = {128: (128, 128, 3, 2, 1)}  # sweep: docs/notes/kernel_measurements.md (v8)
+# correctness run did not finish on the device: not offered until it does
+CONFIGS = {128: (128, 128, 3, 2, 1)}  # the tile sweep's best: docs/design.md
 DEFAULT_HEAD_DIMS = (128,)  # where it is the default forward (measured faster than Triton's)
 __all__ = ["AVAILABLE", "CONFIGS", "DEFAULT_HEAD_DIMS", "MAX_REGS", "launch", "supported", "tile_rows"]
 
@@ -236,7 +236,7 @@ if AVAILABLE:
         """``_softmax`` of block ``t``, element-masked when the block is partial (outside the
         full run [b1, b2)). Each branch holds a whole softmax, so the wait for the previous
         P V that follows sits after the branches' join, where ptxas cannot hoist it above the
-        softmax. With the mask alone in the branch (v8-v14) ptxas placed that wait right after
+        softmax. With the mask alone in the branch ptxas placed that wait right after
         the branch, before the row max: P V no longer overlapped the softmax."""
         partial = (t < b1) | (t >= b2)
         if partial:

@@ -6,7 +6,10 @@ forward, so their host form is memoised per tensor object and in-place version: 
 call pays the read, later calls a dictionary lookup. Entries die with their tensor.
 
 The other way, tables built on the host go to the GPU with ``upload``, which does not wait for
-the device either.
+the device either; ``on_device`` does that once per host tensor (plan row indices that every
+layer and collective reads), memoised the same way.
+
+This is the one such cache of the magi packages: magi-comm and magi-attn use it too.
 """
 
 from __future__ import annotations
@@ -48,3 +51,19 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``: itself where it already lives there, else one cached copy per
+    (``t``, its in-place version, device), uploaded without a host sync (:func:`upload`).
+
+    Plans keep their row indices as CPU tensors; a plain ``.to("cuda")`` at every collective
+    of every layer would make the host wait for all queued kernels each time. Treat the result
+    as read-only: every caller shares it. Entries die with ``t``.
+    """
+    device = torch.device(device)
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return per_tensor(t, f"on_device {device}", lambda: upload(t, device))

@@ -177,7 +177,7 @@ ffa_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerFFA(torch.autograd.Function):
     """The eager path: the same forward, context and backward as the custom op, without the
     dispatcher and its autograd wrapper (about 100 us of host time per call on a desktop CPU,
-    about a quarter of a forward call's host cost measured on the H200 host (v13): a call whose
+    about a quarter of a forward call's host cost measured on the H200 host: a call whose
     kernels are shorter than its host cost is launch-bound). ``torch.compile`` uses the op."""
 
     @staticmethod

@@ -3,7 +3,7 @@
 The GPU starts programs in launch order as SMs free up. Two orders pull in opposite directions:
 
 * head-major (the key tiles of one KV head, then the next head): the resident programs share
-  one query head's Q/dO/dQ rows, which stay in L2 (v10: +11 % at 16k full, +31 % at 32k full);
+  one query head's Q/dO/dQ rows, which stay in L2 (+11 % at 16k full, +31 % at 32k full on the H200);
 * longest first over all heads (tile-major; the tile tables are sorted by descending work): the
   list schedule with the shortest tail. Under head-major, the last head's longest key tile (a
   causal mask's first tile sees every query) starts only when 7/8 of the work is done and runs
@@ -14,12 +14,12 @@ tile-major, and ``choose_band`` picks the smallest band whose list-schedule fini
 in-order dispatch replayed on the host, ``simulated_finish``) is within ``tolerance`` of the
 longest-first order's: equal tiles (a full mask) keep head-major, a causal mask at 8k runs
 tile-major, at 16k and longer head-major again (its tail is then under 2 %), packed documents
-get bands of 2-4 heads at 8k-16k. Measured on the H200 (v11): 8k causal 385 -> 400-417 TFLOP/s,
+get bands of 2-4 heads at 8k-16k. Measured on the H200: 8k causal 385 -> 400-417 TFLOP/s,
 8k varlen causal 278 -> 318, 16k varlen causal 350 -> 363.
 
 ``split_tail`` then fills a part-empty last wave: the last programs of the order run as pieces
 over fewer of their GQA group's query heads (their dK/dV added with atomics), chosen on the same
-list-schedule model (v14: 16k/32k full and sliding window split their last wave). Plain Python on
+list-schedule model (16k/32k full and sliding window split their last wave). Plain Python on
 host-side work counts (no device reads); the caller (``gluon_bwd``) caches the table per work
 tuple (0.2-3 ms to build at 8k-128k tokens).
 
@@ -48,8 +48,8 @@ PIECES_MIN_CV = 0.3
 # ... and at least this share of its area lies in staircase slices (causal / inv_causal), whose
 # neighbouring key tiles see different numbers of query rows
 PIECES_MIN_STAIRCASE = 0.5
-# a simulated tail this close to longest-first's is not worth giving up L2 locality for (v11:
-# at 8k varlen causal a band of 4, 4 % behind in the model, measured 318 TFLOP/s, tile-major 297)
+# a simulated tail this close to longest-first's is not worth giving up L2 locality for (at
+# 8k varlen causal a band of 4, 4 % behind in the model, measured 318 TFLOP/s, tile-major 297)
 TOLERANCE = 0.05
 
 
@@ -97,7 +97,7 @@ def simulated_finish(order: Sequence[int], cost: Sequence[float], n_tiles: int, 
 
 def _candidate_bands(n_heads: int) -> list[int]:
     """Powers of two below ``n_heads``, then ``n_heads``. With 8 KV heads on the H200, bands of
-    5, 6 and 7 heads measured 10-20 % below their neighbours at 8k/16k causal (v11 notes; not
+    5, 6 and 7 heads measured 10-20 % below their neighbours at 8k/16k causal (not
     explained, not in the list-schedule model), bands of 1, 2, 4 and 8 never did."""
     bands, b = [], 1
     while b < n_heads:
@@ -168,7 +168,7 @@ def split_tail(order: Sequence[int], cost: Sequence[float], n_tiles: int, n_sms:
     them all.
 
     Equal programs leave the last wave part-empty: at 16k full, 1024 programs on 132 SMs are
-    7.76 waves, and 24 % of the SMs idle through the eighth (3 % of the launch, v14 traces).
+    7.76 waves, and 24 % of the SMs idle through the eighth (3 % of the launch, from per-program traces).
     A piece of s heads costs ``piece_cost(cost, s, group)``."""
     whole = [(p, 0, group) for p in order]
     n = len(order)
@@ -209,7 +209,7 @@ def head_chunk_pieces(n_tiles: int, n_heads: int, group: int, heads: int, band: 
     [0, heads), then over [heads, 2 heads), ..., then KV head 1; the last ``band`` virtual
     heads tile-major. So the resident pieces share one query head's Q/dO/dQ rows even where
     the tiles differ in length (a causal mask's tiles drift apart across the GQA group's heads
-    otherwise, v14), at the price of every piece adding its dK/dV with atomics. ``band`` is
+    otherwise), at the price of every piece adding its dK/dV with atomics. ``band`` is
     chosen on the pieces' costs (``choose_band`` over ``n_heads * group // heads`` virtual
     heads): a piece is ``group // heads`` times shorter than a whole program, so head-major
     pieces finish with a short tail where whole programs needed tile-major order (8k causal)."""
@@ -232,9 +232,9 @@ def auto_piece_heads(costs: Sequence[float], group: int, staircase_share: float,
     Key tiles of one staircase slice see different numbers of query rows, so whole programs of
     neighbouring tiles drift apart over the GQA group's query heads and the resident programs
     read many heads' Q/dO/dQ rows: 16k causal moves 29.5 KB of DRAM per step against 2-3 KB on
-    the full mask (v19). Pieces over a chunk of the group, each KV head's tiles over one chunk
+    the full mask. Pieces over a chunk of the group, each KV head's tiles over one chunk
     before the next, keep them on one chunk. The chunk is the group split in its smallest
-    factor (6 -> 2 chunks of 3). Measured on an H100 (v19), against whole programs:
+    factor (6 -> 2 chunks of 3). Measured on an H100, against whole programs:
     * causal: x1.38 / 1.09 / 1.06 at 8k / 16k / 32k;
     * packed causal documents: x1.08 / 1.02 / 1.09;
     * packed full documents and block-causal documents (full slices: every tile of a document

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from magi_solver.mask import AttnMaskType, slice_area
+from magi_solver import AttnMaskType, slice_area
 
 from . import gluon_bwd, gluon_fwd
 from .env_config import env_choice, env_config, warn_removed_switches
@@ -42,7 +42,7 @@ warn_removed_switches()  # once per process: a removed variant's switch must not
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # head dims whose forward loads full K/V blocks through TMA descriptors on sm90+ (measured
-# faster with the 128x128 tile below; docs/notes/kernel_measurements.md)
+# faster with the 128x128 tile below; docs/design.md)
 TMA_FWD_HEAD_DIMS = (128,)
 LOG2E = 1.4426950408889634
 
@@ -522,7 +522,7 @@ def _env_config(name: str, default: tuple[int, int, int, int]) -> tuple[int, int
     return env_config(name, default, "BM,BN,num_warps,num_stages")  # type: ignore[return-value]
 
 
-# (BM, BN, num_warps, num_stages) per head dim; see docs/notes/kernel_measurements.md
+# (BM, BN, num_warps, num_stages) per head dim, from tile sweeps (bench/sweep_tiles.py)
 _FWD_DEFAULTS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 3)}
 _FWD_TMA_DEFAULTS = {128: (128, 128, 8, 3)}
 _DKDV_DEFAULTS = {64: (64, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)}  # BM = query rows per step
@@ -752,7 +752,7 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
         return dq, dk, dv
 
     # dK/dV and dQ programs in one launch where one layer on each axis allows it (no tail between
-    # them, both kinds resident together: 358 vs 330 TFLOP/s at 16k full over two launches, v4)
+    # them, both kinds resident together: 358 vs 330 TFLOP/s at 16k full over two launches)
     fused = len(kv_layers) == 1 and len(q_layers) == 1 and (warps1, stages1) == (warps2, stages2)
     if fused:
         launch(kv_layers[0], q_layers[0], False, warps1, stages1)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from magi_solver.mask import gc_paused
+from magi_solver import gc_paused
 
 from .host_cache import per_tensor
 
@@ -110,8 +110,7 @@ def _checked_extent(st: SliceTensors) -> tuple[int, int]:
 def _check_rows(rows: Sequence[Sequence[int]]) -> tuple[int, int]:
     """Checks of ``(qs, qe, ks, ke, type)`` rows that need no sequence length; returns the
     largest q and k ends. Double coverage is the solver's check (``magi_solver.validate_slices``)."""
-    from magi_solver import AttnMaskType, AttnSlice, validate_slices
-    from magi_solver.ranges import AttnRange
+    from magi_solver import AttnMaskType, AttnRange, AttnSlice, validate_slices
 
     for i, (qs, qe, ks, ke, t) in enumerate(rows):
         if not 0 <= qs <= qe:

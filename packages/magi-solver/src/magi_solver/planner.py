@@ -13,7 +13,7 @@ from typing import Sequence
 from .comm_plan import GroupCastPlan, segments_with_destinations
 from .dispatch import DispatchConfig, DispatchPlan, solve_dispatch
 from .mask import AttnSlice, Band, validate_slices
-from .overlap import OverlapConfig, best_degree, group_stages, split_remote, stage_costs
+from .overlap import BWD_STAGE_FIXED_S, OverlapConfig, RankCosts, best_degree, group_stages, split_remote
 from .ranges import AttnRange, AttnRanges
 from .remap import SliceTuple, areas_over, slices_over
 
@@ -96,13 +96,26 @@ class DistAttnPlan:
         else:
             _check_reused_dispatch(dispatch, total_seqlen, cp_size, dispatch_config)
             self.dispatch = dispatch.for_slices(slices)
-        d = self.dispatch
-        self.chunk_owner = d.chunk_owner()
-        self.host_ranges = [d.rank_ranges(r) for r in range(cp_size)]
-        self.remote_ranges = [self._needed_k(r).subtract(self.host_ranges[r]) for r in range(cp_size)]
+        # self-attention: K/V rows sit where their query rows do (CrossAttnPlan places them apart)
+        self._plan_kv(self.dispatch, [self.dispatch.rank_ranges(r) for r in range(cp_size)])
+
+    def _plan_kv(self, kv_dispatch: DispatchPlan, host_ranges: list[AttnRanges]) -> None:
+        """Plan the K/V side: ``kv_dispatch`` places the K/V rows (chunk size, owners, shard
+        length), ``host_ranges[r]`` the global K/V rows rank r holds; the query side is
+        ``self.dispatch``."""
+        self.kv_dispatch = kv_dispatch
+        self.chunk_owner = kv_dispatch.chunk_owner()
+        self.host_ranges = host_ranges
+        self.remote_ranges = [self._needed_k(r).subtract(self.host_ranges[r]) for r in range(self.cp_size)]
         self.stage_ranges = self._plan_stages()  # [stage][rank] -> merged global ranges
         self._cast_cache: dict[tuple[int, int], GroupCastPlan] = {}
         self._calc_cache: dict[int, RankCalcPlan] = {}
+
+    @property
+    def kv_shard_seqlens(self) -> tuple[int, ...]:
+        """K/V rows of each rank's local shard (``dispatch.shard_seqlens`` in self-attention);
+        like the query shards they may differ between ranks (no padding)."""
+        return tuple(r.total_seqlen for r in self.host_ranges)
 
     # -- KV needs ------------------------------------------------------------------------------
     def _rank_bands(self, rank: int) -> list[tuple[int, Band]]:
@@ -120,20 +133,42 @@ class DistAttnPlan:
         return AttnRanges(AttnRange(*e) for e in ext if e is not None).merge()
 
     # -- overlap stages ------------------------------------------------------------------------
-    def _chunk_costs(self, rank: int, chunks: list[AttnRanges]) -> tuple[float, list[float], list[float]]:
+    def _remote_rows_s(self, rank: int, ranges: AttnRanges, intra_s: float, inter_s: float) -> dict[int, float]:
+        """Wire seconds of ``ranges`` to ``rank`` per source rank: rows held on its own node at the
+        intra-node rate, the rest at the inter-node rate (split at the K/V chunks that own them)."""
+        cs, per_node = self.kv_dispatch.chunk_size, self.overlap_config.ranks_per_node
+        node = rank // per_node
+        out: dict[int, float] = {}
+        for r in ranges:
+            t = r.start
+            while t < r.end:
+                e = min(r.end, (t // cs + 1) * cs)
+                owner = self.chunk_owner[t // cs][0]
+                out[owner] = out.get(owner, 0.0) + (e - t) * (intra_s if owner // per_node == node else inter_s)
+                t = e
+        return out
+
+    def _chunk_costs(self, rank: int, chunks: list[AttnRanges]) -> RankCosts:
         cfg = self.overlap_config
         flop_per_cell = 4.0 * self.num_heads_q * self.head_dim
         byte_per_token = 2.0 * self.num_heads_kv * self.head_dim * 2  # K and V in 16-bit
         to_s_calc = flop_per_cell / (cfg.compute_tflops * 1e12)
-        to_s_comm = byte_per_token / (cfg.comm_gbps * 1e9)
+        intra_s = byte_per_token / (cfg.intra_node_gbps * 1e9)
+        inter_s = byte_per_token / (cfg.comm_gbps * 1e9)
         flat = [(r, i) for i, ch in enumerate(chunks) for r in ch]
         bands = self._rank_bands(rank)
         calc = [0.0] * len(chunks)
         for (_, i), area in zip(flat, areas_over(bands, [r for r, _ in flat])):
             calc[i] += area * to_s_calc
         host_area = sum(areas_over(bands, list(self.host_ranges[rank])))
-        comm = [ch.total_seqlen * to_s_comm for ch in chunks]
-        return host_area * to_s_calc, calc, comm
+        sources = tuple(self._remote_rows_s(rank, ch, intra_s, inter_s) for ch in chunks)
+        comm = [sum(src.values()) for src in sources]
+        # every stage passes over the whole shard: forward ~30 bytes per (row, head, dim) element (the
+        # kernel's Q in and fp32 output, merge_out_lse's ~6 fp32 passes), backward ~28 (the kernel's Q,
+        # dO, O in and fp32 dQ, then dq + dq_s); the backward also launches its preprocessing
+        elements = self.dispatch.shard_seqlens[rank] * self.num_heads_q * self.head_dim / (cfg.memory_gbps * 1e9)
+        return RankCosts(host_area * to_s_calc, tuple(calc), tuple(comm), 30 * elements,
+                         28 * elements + BWD_STAGE_FIXED_S, sources)
 
     def _plan_stages(self) -> list[list[AttnRanges]]:
         if self.cp_size == 1:
@@ -144,12 +179,12 @@ class DistAttnPlan:
         per_rank_chunks = [split_remote(rr, cfg.min_chunk_size, cfg.max_num_chunks) for rr in self.remote_ranges]
         costs = [self._chunk_costs(r, ch) for r, ch in enumerate(per_rank_chunks)]
         if cfg.degree is None:
-            degree = max(best_degree(h, cl, cm, cfg.dynamic_max_degree) for h, cl, cm in costs)
+            degree = best_degree(costs, cfg.dynamic_max_degree, cfg.stage_latency_us * 1e-6)
         else:
             degree = cfg.degree
         stages: list[list[AttnRanges]] = [[AttnRanges() for _ in range(self.cp_size)] for _ in range(degree)]
-        for r, (chunks, (_, calc, comm)) in enumerate(zip(per_rank_chunks, costs)):
-            for s, group in enumerate(group_stages(calc, comm, degree)):
+        for r, (chunks, c) in enumerate(zip(per_rank_chunks, costs)):
+            for s, group in enumerate(group_stages(c.calc, c.comm, degree)):
                 stages[s][r] = AttnRanges(x for i in group for x in chunks[i]).merge()
         return stages
 
@@ -159,12 +194,12 @@ class DistAttnPlan:
 
     def stage_cost_summary(self, rank: int) -> dict[str, object]:
         chunks = [self.stage_ranges[s][rank] for s in range(self.num_stages)]
-        host, calc, comm = self._chunk_costs(rank, chunks)
-        return {"host_calc_s": host, "stage_calc_s": calc, "stage_comm_s": comm}
+        c = self._chunk_costs(rank, chunks)
+        return {"host_calc_s": c.host, "stage_calc_s": list(c.calc), "stage_comm_s": list(c.comm)}
 
     # -- communication -------------------------------------------------------------------------
     def _to_local(self, rank: int, r: AttnRange) -> AttnRange:
-        cs = self.dispatch.chunk_size
+        cs = self.kv_dispatch.chunk_size
         c = r.start // cs
         owner, pos = self.chunk_owner[c]
         if owner != rank:
@@ -180,7 +215,7 @@ class DistAttnPlan:
         return self._cast_cache[key]
 
     def _build_cast_plan(self, stage: int, rank: int) -> GroupCastPlan:
-        cs = self.dispatch.chunk_size
+        cs = self.kv_dispatch.chunk_size
         host = self.host_ranges[rank]
         pieces: list[tuple[int, int, int]] = []
         for dst in range(self.cp_size):
@@ -189,7 +224,7 @@ class DistAttnPlan:
             for g in self.stage_ranges[stage][dst].intersect(host):
                 loc = self._to_local(rank, g)
                 pieces.append((loc.start, loc.end, dst))
-        in_sizes, dsts = segments_with_destinations(self.dispatch.shard_seqlens[rank], pieces)
+        in_sizes, dsts = segments_with_destinations(self.kv_shard_seqlens[rank], pieces)
         out_sizes: list[int] = []
         src: list[int] = []
         for r in self.stage_ranges[stage][rank]:
