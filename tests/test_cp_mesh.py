@@ -1,6 +1,6 @@
 """A DeviceMesh wherever a CP group is accepted, on 4 gloo ranks (CPU meshes): a 1-D mesh (also
 a dim sliced out of a (dp, cp) mesh) stands for its group; a 2-D ("inter", "intra") mesh gives
-the node-aware backend its nodes; wrong meshes are refused with errors that say why."""
+the node-aware backend its nodes (self- and cross-attention); wrong meshes are refused with errors that say why."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_harness import run_distributed
+from test_cross import check_cross_case
 from test_dist_attn import HK, HQ, check_case
 
 CU = [0, 13, 40, 41, 77]
@@ -31,7 +32,8 @@ def mesh_worker(rank, world):
     import torch
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from magi_attn import dispatch, get_most_recent_key, magi_attn_varlen_key_for_new_mask
+    from magi_attn import (DispatchConfig, DistAttnConfig, OverlapConfig, dispatch, get_most_recent_key,
+                           magi_attn_varlen_key_for_new_mask)
 
     # 1-D: the mesh's group, the same plan as the process group's
     mesh1 = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -53,8 +55,16 @@ def mesh_worker(rank, world):
     hier = _key(mesh2, comm_backend="hier")
     assert dist.get_process_group_ranks(hier.group) == list(range(world)) and hier.node_groups.ranks_per_node == 2
     check_case("mesh_2d_hier", _slices(), CU[-1], None, hier.group, rank, key=hier)
-    hc, _ = hier.runtime.hier(torch.zeros(1, 1))
+    hc = hier.runtime.comm.two_hop  # the "hier" GroupCollective, built by make_group_collective
+    assert hier.runtime.comm.kind == "hier" and hier.runtime.comm.ordered is False
     assert hc.intra is mesh2.get_group("intra") and hc.inter is mesh2.get_group("inter")
+    # cross-attention over the same mesh (uneven query and K/V shards), deterministic reduce
+    cross_cfg = DistAttnConfig(DispatchConfig(chunk_size=4), OverlapConfig(degree=2, min_chunk_size=1),
+                               kernel_backend="torch", comm_backend="hier", deterministic=True)
+    cross = check_cross_case("mesh_2d_cross", [(0, 11, 0, 4, 0), (11, 23, 2, 9, 1)], 23, 9, "shard", "shard",
+                             mesh2, rank, cross_cfg)
+    assert cross.node_groups is hier.node_groups and cross.runtime.comm.ordered
+    assert cross.runtime.comm.two_hop.intra is mesh2.get_group("intra")
     swa = magi_attn_varlen_key_for_new_mask(hier, CU, CU, causal=True, window_size=(5, 0))
     assert swa.node_groups is hier.node_groups
     # the dims may come in the other order: rows are then the ranks of one local index

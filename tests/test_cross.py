@@ -78,6 +78,7 @@ def check_cross_case(name, slices, sq, sk, placement, expect, group, rank, confi
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=TOL, rtol=0, msg=lambda m: f"{where} lse: {m}")
     for n, a, b in (("dq", qd.grad, qr.grad), ("dk", kd.grad, kr.grad), ("dv", vd.grad, vr.grad)):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m, n=n: f"{where} {n}: {m}")
+    return key
 
 
 def check_round_trips(key, sq, sk, rank):

@@ -162,6 +162,12 @@ class NodeAwareCollective(GroupCollective):
             self._planned = (hc, plans)
         return self._planned
 
+    @property
+    def two_hop(self) -> HierarchicalCollectives | None:
+        """The two-hop collectives (with their ``intra`` / ``inter`` node groups) once the first
+        call has built them, else None."""
+        return None if self._planned is None else self._planned[0]
+
     def cast(self, input: torch.Tensor, stage: int) -> PendingCollective:
         hc, plans = self._plans(input)
         return hc.group_cast(input, async_op=True, plan=plans[stage], timeout_s=self.timeout_s,
