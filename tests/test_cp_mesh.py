@@ -65,6 +65,14 @@ def mesh_worker(rank, world):
                              mesh2, rank, cross_cfg)
     assert cross.node_groups is hier.node_groups and cross.runtime.comm.ordered
     assert cross.runtime.comm.two_hop.intra is mesh2.get_group("intra")
+    # node groups that do not match ranks_per_node are refused on the first call, on every rank
+    from magi_comm import make_group_collective
+    from magi_solver import GroupCastPlan
+
+    swapped = make_group_collective("hier", [GroupCastPlan((1,), ((),), (), ())], dist.group.WORLD, ranks_per_node=2,
+                                    node_groups=(mesh2.get_group("inter"), mesh2.get_group("intra")))
+    with pytest.raises(ValueError, match=r"node_groups: the intra-node group holds global ranks"):
+        swapped.cast(torch.zeros(1, 1), 0)
     swa = magi_attn_varlen_key_for_new_mask(hier, CU, CU, causal=True, window_size=(5, 0))
     assert swa.node_groups is hier.node_groups
     # the dims may come in the other order: rows are then the ranks of one local index
