@@ -23,7 +23,7 @@ import time
 import torch
 
 from magi_attn import MASKS, DistAttnConfig, OverlapConfig, make_mask
-from magi_attn import simulate as sim_api
+from magi_attn.simulate import KernelCostModel, LinkModel, Shape, build_plan, dq_add_s, merge_s, simulate_magi
 from magi_kernels import merge_out_lse, run_backward, run_forward
 
 
@@ -53,16 +53,17 @@ def timer(device: str, reps: int):
     return run
 
 
-def rank_work(plan, rank: int, shape: sim_api.Shape, dtype, device: str, backend: str):
+def rank_work(plan, rank: int, shape: Shape, dtype, device: str, backend: str):
     """(forward, backward, launches) of one rank: closures that run its kernels as calc_attn does."""
     calc = plan.calc_plan(rank)
-    shard = plan.dispatch.shard_seqlen
+    shard = plan.dispatch.shard_seqlens[rank]  # this rank's rows (ranks may hold different counts)
     g = torch.Generator(device="cpu").manual_seed(rank)
 
     def rnd(rows, heads):
         return torch.randn(rows, heads, shape.head_dim, generator=g).to(device, dtype)
 
-    q, k, v = rnd(shard, shape.heads_q), rnd(shard, shape.heads_kv), rnd(shard, shape.heads_kv)
+    kv_rows = plan.kv_shard_seqlens[rank]
+    q, k, v = rnd(shard, shape.heads_q), rnd(kv_rows, shape.heads_kv), rnd(kv_rows, shape.heads_kv)
     stage_kv = [(rnd(n, shape.heads_kv), rnd(n, shape.heads_kv)) for n in calc.stage_kv_seqlens]
     host = slice_args(calc.host)
     stages = [slice_args(s) if s else None for s in calc.stages]
@@ -123,13 +124,13 @@ def main(argv=None) -> int:
     backend = "triton" if device == "cuda" else "torch"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     model = args.model or ("H200" if "H200" in name else "H100")
-    shape = sim_api.Shape(args.heads_q, args.heads_kv, 128)
+    shape = Shape(args.heads_q, args.heads_kv, 128)
     total = args.cp * args.tokens_per_gpu
     slices = make_mask(args.mask, total)
     cfg = DistAttnConfig(overlap=OverlapConfig(degree=None if args.degree == "auto" else int(args.degree)))
-    plan = sim_api.build_plan(slices, total, args.cp, shape, cfg)
-    cost = sim_api.KernelCostModel(model)
-    sim = sim_api.simulate_magi(slices, total, args.cp, shape, cost, sim_api.LinkModel(), cfg, plan=plan)
+    plan = build_plan(slices, total, args.cp, shape, cfg)
+    cost = KernelCostModel(model)
+    sim = simulate_magi(slices, total, args.cp, shape, cost, LinkModel(), cfg, plan=plan)
     time_it = timer(device, args.reps)
     ranks, launches = [], []
     for r in range(args.cp):
@@ -149,13 +150,13 @@ def main(argv=None) -> int:
         print(f"rank {r}: fwd {f_s * 1e3:.3f} ms (sim {sim_f * 1e3:.3f}), bwd {b_s * 1e3:.3f} ms (sim {sim_b * 1e3:.3f})",
               file=sys.stderr)
     worst = max(abs(x[k]) for x in ranks for k in ("fwd_rel_err", "bwd_rel_err"))
-    shard = plan.dispatch.shard_seqlen
+    shard = max(plan.dispatch.shard_seqlens)  # the per-stage costs below are the largest shard's
     report = {
         "device": name, "smoke": args.smoke, "model": cost.describe(), "dtype": str(dtype), "backend": backend,
         "mask": args.mask, "cp": args.cp, "tokens_per_gpu": args.tokens_per_gpu, "heads_q": args.heads_q,
         "heads_kv": args.heads_kv, "head_dim": 128, "num_stages": plan.num_stages,
-        "simulated_merge_ms_per_stage": sim_api.merge_s(cost, shard, shape) * 1e3,
-        "simulated_dq_add_ms_per_stage": sim_api.dq_add_s(cost, shard, shape) * 1e3,
+        "simulated_merge_ms_per_stage": merge_s(cost, shard, shape) * 1e3,
+        "simulated_dq_add_ms_per_stage": dq_add_s(cost, shard, shape) * 1e3,
         "worst_rank_rel_err": worst, "within_10_percent": worst <= 0.10, "ranks": ranks, "launches": launches,
     }
     with open(args.out, "w") as f:

@@ -204,6 +204,12 @@ def test_make_group_collective_kinds_and_errors():
     comm = make_group_collective("hier", stages, None)
     x = torch.randn(4, 3, dtype=torch.float64)
     assert comm.kind == "a2a" and torch.equal(comm.cast(x, 0).wait(), x)
+    # existing node groups (a 2-D DeviceMesh's) are for "hier" only, and need the node size
+    pair = (object(), object())
+    with pytest.raises(ValueError, match="node_groups are for the node-aware kind 'hier'"):
+        make_group_collective("a2a", stages, None, node_groups=pair)
+    with pytest.raises(ValueError, match="node_groups need ranks_per_node"):
+        make_group_collective("hier", stages, None, node_groups=pair)
     ipc = make_group_collective("ipc", stages, None)  # builds nothing until the first call
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA IPC group collectives are unavailable"):

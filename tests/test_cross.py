@@ -29,10 +29,18 @@ CASES = [
 ]
 
 
-def _config(**overlap):
-    from magi_attn import DistAttnConfig, OverlapConfig
+# query and K/V shards of different lengths (run with chunk_size=4: query shards of 8, 7, 4, 4 rows on 4 ranks)
+UNEVEN_CASES = [
+    ("uneven_shards_causal", [(0, 11, 0, 4, 0), (11, 23, 2, 9, 1)], 23, 9, "shard", "shard"),
+    ("uneven_shards_replicated", [(0, 23, 0, 9, 0)], 23, 9, "replicate", "replicate"),
+]
 
-    return DistAttnConfig(overlap=OverlapConfig(**(overlap or dict(degree=1))), kernel_backend="torch")
+
+def _config(chunk_size=None, **overlap):
+    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
+
+    return DistAttnConfig(overlap=OverlapConfig(**(overlap or dict(degree=1))), kernel_backend="torch",
+                          dispatch=DispatchConfig(chunk_size=chunk_size))
 
 
 def _randn(gen, *shape):
@@ -70,6 +78,7 @@ def check_cross_case(name, slices, sq, sk, placement, expect, group, rank, confi
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=TOL, rtol=0, msg=lambda m: f"{where} lse: {m}")
     for n, a, b in (("dq", qd.grad, qr.grad), ("dk", kd.grad, kr.grad), ("dv", vd.grad, vr.grad)):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m, n=n: f"{where} {n}: {m}")
+    return key
 
 
 def check_round_trips(key, sq, sk, rank):
@@ -138,7 +147,7 @@ def check_batches(group, rank):
 def cross_worker(rank, world):
     import torch.distributed as dist
 
-    from magi_attn import magi_attn_cross_key
+    from magi_attn import dispatch_kv, get_kv_position_ids, magi_attn_cross_key
 
     group = dist.group.WORLD
     for case in CASES:
@@ -146,10 +155,16 @@ def cross_worker(rank, world):
     # the sharded K/V fetched in 3 overlap stages, and in one kernel call without overlap
     check_cross_case(*CASES[4], group, rank, _config(degree=3, min_chunk_size=1))
     check_cross_case(*CASES[2], group, rank, _config(degree=0))
+    # queries in chunks of 4 over 23 rows: shards of different lengths (no padding) on both sides
+    for case in UNEVEN_CASES:
+        check_cross_case(*case, group, rank, _config(degree=2, min_chunk_size=1, chunk_size=4))
     for placement in ("shard", "replicate"):
         key = magi_attn_cross_key([(0, 24)], [(0, 7)], "full", 24, 7, HQ, HK, D, group, kv_placement=placement,
                                   dist_attn_config=_config())
         check_round_trips(key, 24, 7, rank)
+        pos = get_kv_position_ids(key)  # this rank's K/V rows, no padding rows
+        assert key.kv_shard_seqlen == key.runtime.kv_shard_seqlens[rank] == len(pos)
+        assert torch.equal(pos, dispatch_kv(torch.arange(7), key))
     check_batches(group, rank)
     check_disagreement(group, rank)
 
@@ -182,16 +197,30 @@ def test_cross_attention_single_rank():
 
 
 def test_kv_placement_rule():
-    from magi_solver import AttnSlice, CrossAttnPlan, choose_kv_placement
+    from magi_solver import AttnSlice, CrossAttnPlan, DispatchConfig, choose_kv_placement
 
     full = [AttnSlice.make((0, 64), (0, 16))]
     assert choose_kv_placement(16, 16, 4) == "replicate" and choose_kv_placement(17, 16, 4) == "shard"
     rep = CrossAttnPlan(full, 64, 16, 4, kv_placement="auto")
-    assert rep.kv_placement == "replicate" and rep.num_stages == 0 and rep.kv_shard_seqlen == 16
+    assert rep.kv_placement == "replicate" and rep.num_stages == 0 and rep.kv_shard_seqlens == (16, 16, 16, 16)
     assert rep.comm_rows() == [0, 0, 0, 0]  # nothing moves in the attention
     shard = CrossAttnPlan(full, 64, 16, 4, kv_placement="shard")
-    assert shard.kv_shard_seqlen == 4 and shard.comm_rows() == [12, 12, 12, 12]  # each fetches the other 3 shards
+    assert shard.kv_shard_seqlens == (4, 4, 4, 4) and shard.comm_rows() == [12, 12, 12, 12]  # the other 3 shards
     assert CrossAttnPlan([AttnSlice.make((0, 8), (0, 40))], 8, 40, 4).kv_placement == "shard"
+    # uneven, unpadded shards on both sides: query shards of 8, 7, 4, 4 rows (chunks of 4), K/V
+    # shards of 3, 3, 3, 1; auto compares total_seqlen_k with the largest query shard (8)
+    cfg = DispatchConfig(chunk_size=4)
+    uneven = CrossAttnPlan([AttnSlice.make((0, 23), (0, 10))], 23, 10, 4, dispatch_config=cfg, kv_placement="shard")
+    assert sorted(uneven.dispatch.shard_seqlens) == [4, 4, 7, 8] and uneven.kv_shard_seqlens == (3, 3, 3, 1)
+    assert uneven.comm_rows() == [10 - n for n in uneven.kv_shard_seqlens]  # every rank fetches all it lacks
+    assert [len(uneven.kv_local_rows(r)) for r in range(4)] == [3, 3, 3, 1]
+    for r in range(4):  # each cast plan reads exactly this rank's own K/V rows
+        assert sum(uneven.cast_plan(0, r).input_split_sizes) == uneven.kv_shard_seqlens[r]
+    assert CrossAttnPlan([AttnSlice.make((0, 23), (0, 8))], 23, 8, 4, dispatch_config=cfg).kv_placement == "replicate"
+    assert CrossAttnPlan([AttnSlice.make((0, 23), (0, 9))], 23, 9, 4, dispatch_config=cfg).kv_placement == "shard"
+    assert CrossAttnPlan([AttnSlice.make((0, 8), (0, 3))], 8, 3, 4).kv_placement == "replicate"  # fewer rows than ranks
+    with pytest.raises(ValueError, match="kv_placement='replicate'"):
+        CrossAttnPlan([AttnSlice.make((0, 8), (0, 3))], 8, 3, 4, kv_placement="shard")
 
 
 def test_self_attention_keys_unchanged():

@@ -145,6 +145,8 @@ def test_api_errors():
     with pytest.raises(ValueError, match="exceeds max_num_chunks"):
         OverlapConfig(degree=9, max_num_chunks=4)
     with pytest.raises(RuntimeError, match="not initialized"):
+        magi_attn_varlen_key([0, 4], [0, 4], 2, 1, 8, cp_group=dist.ProcessGroup(dist.HashStore(), 0, 1))
+    with pytest.raises(TypeError, match="cp_group must be a torch.distributed ProcessGroup, a DeviceMesh"):
         magi_attn_varlen_key([0, 4], [0, 4], 2, 1, 8, cp_group=object())
     key = magi_attn_varlen_key([0, 10], [0, 10], 2, 1, 8, causal=True)
     q = torch.randn(10, 2, 8)

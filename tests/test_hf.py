@@ -78,6 +78,7 @@ def cp_worker(rank, world, loss_mode="gather"):
     cfg = DistAttnConfig(DispatchConfig(chunk_size=4), OverlapConfig(degree=2, min_chunk_size=4), kernel_backend="torch")
     batch = prepare_cp_batch(ids, CU, cp_group=dist.group.WORLD, config=cfg, **attention_config(model.config))
     assert torch.equal(batch.labels, labels)
+    assert len(set(batch.key.runtime.shard_seqlens)) > 1  # 70 tokens in chunks of 4: ranks hold different counts
     if loss_mode == "gather":
         logits = gather_logits(model(**batch.model_kwargs()).logits, batch.key)
         torch.testing.assert_close(logits, ref_logits, atol=1e-10, rtol=0)

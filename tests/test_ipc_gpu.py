@@ -23,7 +23,7 @@ def ipc_worker(rank, world):
     g = torch.Generator().manual_seed(rank)
     for s in range(plan.num_stages):
         cp = plan.cast_plan(s, rank)
-        x = torch.randn(plan.dispatch.shard_seqlen, 4, 16, generator=g).to(torch.bfloat16)
+        x = torch.randn(plan.dispatch.shard_seqlens[rank], 4, 16, generator=g).to(torch.bfloat16)
         kw = dict(input_split_sizes=cp.input_split_sizes, output_split_sizes=cp.output_split_sizes,
                   dst_indices=cp.dst_indices, src_index=cp.src_index)
         ref = group_cast(x, group=dist.group.WORLD, **kw)
@@ -31,7 +31,7 @@ def ipc_worker(rank, world):
         assert torch.equal(got.cpu(), ref), f"cast stage {s} rank {rank}"
         rp = cp.transpose()
         part = torch.randn(cp.output_rows, 4, 16, generator=g)
-        acc0 = torch.randn(plan.dispatch.shard_seqlen, 4, 16, generator=g)
+        acc0 = torch.randn(plan.dispatch.shard_seqlens[rank], 4, 16, generator=g)
         kw = dict(input_split_sizes=rp.input_split_sizes, output_split_sizes=rp.output_split_sizes,
                   dst_index=rp.dst_index, src_indices=rp.src_indices)
         ref = group_reduce(part, acc0.clone(), group=dist.group.WORLD, **kw)

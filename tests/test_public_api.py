@@ -40,6 +40,10 @@ MAY_IMPORT = {
 # are imported by module; its __init__ stays light (importing it must not import transformers).
 API_BY_MODULE = {"magi_integrations"}
 
+# Subpackages with an ``__init__`` of their own whose ``__all__`` is a public API too (the
+# simulator's vocabulary is large and optional: importing magi_attn does not load it).
+PUBLIC_SUBPACKAGES = {"magi_attn.simulate": ROOT / "packages/magi-attn/src/magi_attn/simulate"}
+
 # (file, imported name) pairs allowed to break the rule, each with its reason.
 ALLOWED: set[tuple[str, str]] = {
     # a developer tool, not a benchmark: it compiles the package's own JIT kernels to read their
@@ -68,8 +72,9 @@ class Violation:
 
 
 def exported_names(package: str) -> set[str]:
-    """The literal ``__all__`` of a package's ``__init__.py``."""
-    tree = ast.parse((PACKAGES[package] / "__init__.py").read_text())
+    """The literal ``__all__`` of a package's (or public subpackage's) ``__init__.py``."""
+    src = PACKAGES[package] if package in PACKAGES else PUBLIC_SUBPACKAGES[package]
+    tree = ast.parse((src / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
             return {ast.literal_eval(e) for e in node.value.elts}
@@ -99,6 +104,9 @@ def violations_in(owner: str, source: str, rel: str, exports: dict[str, set[str]
             return
         if package in API_BY_MODULE:
             return
+        sub = f"{package}.{module}"
+        if sub in PUBLIC_SUBPACKAGES:
+            package, module = sub, ""
         for name in names:
             dotted = ".".join(p for p in (package, module, name) if p)
             if module:
@@ -129,7 +137,7 @@ def violations_in(owner: str, source: str, rel: str, exports: dict[str, set[str]
 
 
 def all_violations() -> list[Violation]:
-    exports = {pkg: exported_names(pkg) for pkg in PACKAGES}
+    exports = {pkg: exported_names(pkg) for pkg in (*PACKAGES, *PUBLIC_SUBPACKAGES)}
     found = []
     for owner, f in source_files():
         rel = f.relative_to(ROOT).as_posix()
@@ -158,7 +166,7 @@ def test_every_exported_name_is_bound_in_the_init():
 
 
 def test_the_checker_catches_each_kind_of_bypass():
-    exports = {pkg: exported_names(pkg) for pkg in PACKAGES}
+    exports = {pkg: exported_names(pkg) for pkg in (*PACKAGES, *PUBLIC_SUBPACKAGES)}
     cases = {
         "from magi_comm.hierarchical import shared_collectives": "import from a module",
         "import magi_solver.mask": "import from a module",
@@ -166,10 +174,13 @@ def test_the_checker_catches_each_kind_of_bypass():
         "from magi_comm import exchange_rows": "not in magi_comm.__all__",
         "import magi_comm\nmagi_comm.native.AVAILABLE": "not in magi_comm.__all__",
         "from magi_attn import calc_attn": "layering",
+        "from magi_attn.simulate.magi_sim import merge_s": "import from a module",
+        "from magi_attn.simulate import _two_hop": "private name",
     }
     for source, why in cases.items():
-        owner = "magi_kernels" if why == "layering" else "magi_attn"
+        owner = "magi_kernels" if why == "layering" else "bench" if "magi_attn" in source else "magi_attn"
         found = violations_in(owner, source, "x.py", exports)
         assert len(found) == 1 and why in found[0].why, (source, found)
     for source in ("from magi_solver import AttnRange", "import magi_comm\nmagi_comm.__version__", "from . import x"):
         assert not violations_in("magi_comm", source, "x.py", exports), source
+    assert not violations_in("bench", "from magi_attn.simulate import merge_s", "x.py", exports)

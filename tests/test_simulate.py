@@ -97,14 +97,17 @@ def test_magi_timeline_invariants(cost, degree):
     assert 0 < res.tflops_per_gpu("fwd") < 700 and 0 < res.tflops_per_gpu("bwd") < 700
 
 
-def test_magi_forward_overlaps_the_cast_with_the_host_stage(cost):
+@pytest.mark.parametrize("total", [4 * 2048, 4 * 2048 - 300])
+def test_magi_forward_overlaps_the_cast_with_the_host_stage(cost, total):
     """Degree 1 on every rank: forward = max(host kernel, cast) + stage kernel + merge, as
-    calc_attn issues stage 0's cast before the host kernel (dropping the overlap fails this)."""
-    cp, total, shape = 4, 4 * 2048, Shape()
+    calc_attn issues stage 0's cast before the host kernel (dropping the overlap fails this).
+    The second length leaves ranks with shards of different lengths: each merges its own rows."""
+    cp, shape = 4, Shape()
     sl = make_mask("causal", total)
     links = LinkModel()
     cfg = DistAttnConfig(overlap=OverlapConfig(degree=1))
     plan = build_plan(sl, total, cp, shape, cfg)
+    assert (len(set(plan.dispatch.shard_seqlens)) > 1) == (total % (cp * 128) != 0)
     res = simulate_magi(sl, total, cp, shape, cost, links, cfg, plan=plan)
     casts = links.collective_s([
         {d: n * 2 * shape.heads_kv * shape.head_dim * 2 for n, dsts in zip(p.input_split_sizes, p.dst_indices) for d in dsts}
@@ -112,9 +115,11 @@ def test_magi_forward_overlaps_the_cast_with_the_host_stage(cost):
     expect = []
     for r in range(cp):
         c = plan.calc_plan(r)
-        stage = cost.forward_s(c.stages[0], shape.heads_q) + merge_s(cost, plan.dispatch.shard_seqlen, shape) if c.stages[0] else 0
+        stage = cost.forward_s(c.stages[0], shape.heads_q) + merge_s(cost, plan.dispatch.shard_seqlens[r], shape) if c.stages[0] else 0
         expect.append(max(cost.forward_s(c.host, shape.heads_q), casts[r]) + stage)
     assert math.isclose(res.fwd.makespan, max(expect), rel_tol=1e-9)
+    for r in range(cp):  # every rank, not only the slowest
+        assert math.isclose(res.fwd.ranks[r].end, expect[r], rel_tol=1e-9), f"rank {r}"
     assert any(cost.forward_s(plan.calc_plan(r).host, shape.heads_q) > 0 for r in range(cp))
 
 

@@ -20,7 +20,7 @@ from magi_solver import (
     DistAttnPlan,
     OverlapConfig,
     block_causal_slices,
-    compute_pad_size,
+    max_chunk_size,
     shared_prefix_slices,
     slice_area,
     solve_dispatch,
@@ -199,17 +199,41 @@ class TestBuilders:
 
 
 class TestDispatch:
-    def test_pad_and_chunk(self):
-        assert compute_pad_size(10, 3, 2) == 2
+    def test_uneven_chunks_without_padding(self):
         plan = solve_dispatch(varlen_slices([0, 10], causal=True), 10, 2, DispatchConfig(chunk_size=2))
-        assert plan.padded_seqlen == 12 and plan.num_chunks == 6 and plan.pad_size == 2
-        # causal chunk areas: rows [2c, 2c+2) of a 10-token triangle; padding chunk empty
-        assert plan.chunk_areas == (3, 7, 11, 15, 19, 0)
-        # min-heap by hand (chunk:area): 4:19->r0, 3:15->r1, 2:11->r1 (26), 1:7->r0 (26), 0:3->r0 (tie, lower rank: 29,
-        # now full), 5:0->r1 (26)
-        assert plan.partitions == ((0, 1, 4), (2, 3, 5)) and plan.rank_areas() == [29, 26]
-        assert all(len(p) == 3 for p in plan.partitions)
-        assert plan.position_ids(0)[-1] <= 9
+        assert plan.num_chunks == 5 and plan.shard_seqlens == (6, 4) and sum(plan.shard_seqlens) == 10
+        # causal chunk areas: rows [2c, 2c+2) of a 10-token triangle
+        assert plan.chunk_areas == (3, 7, 11, 15, 19)
+        # min-heap by hand (chunk:area), 5 chunks on 2 ranks: 2 each and one rank a third:
+        # 4:19->r0, 3:15->r1, 2:11->r1 (26), 1:7->r0 (26), 0:3->r0 (tie, lower rank: the extra chunk)
+        assert plan.partitions == ((0, 1, 4), (2, 3)) and plan.rank_areas() == [29, 26]
+        assert plan.position_ids(0) == [0, 1, 2, 3, 8, 9] and plan.position_ids(1) == [4, 5, 6, 7]
+
+    def test_short_last_chunk(self):
+        plan = solve_dispatch(varlen_slices([0, 11], causal=True), 11, 2, DispatchConfig(chunk_size=4))
+        assert plan.num_chunks == 3 and plan.chunk_range(2) == AttnRange(8, 11)
+        # areas 10, 26, 30: chunk 2 -> r0, chunk 1 -> r1, chunk 0 -> r1 (lighter, takes the extra chunk)
+        assert plan.partitions == ((2,), (0, 1)) and plan.shard_seqlens == (3, 8)
+        assert sorted(t for r in range(2) for t in plan.position_ids(r)) == list(range(11))
+
+    @pytest.mark.parametrize("alg", ["min_heap", "sequential"])
+    @pytest.mark.parametrize("S,cp,chunk", [(1050, 4, 568), (1050, 4, None), (1031, 3, 100), (7, 4, None),
+                                             (13, 4, 1), (10, 4, 64), (4, 4, None), (97, 8, 5)])
+    def test_every_rank_gets_work_and_chunk_counts_differ_by_at_most_one(self, S, cp, chunk, alg):
+        plan = solve_dispatch(varlen_slices([0, S], causal=True), S, cp, DispatchConfig(chunk_size=chunk, alg=alg))
+        counts = [len(p) for p in plan.partitions]
+        assert min(counts) >= 1 and max(counts) - min(counts) <= 1
+        assert min(plan.shard_seqlens) >= 1 and sum(plan.shard_seqlens) == S  # every rank works, no padding
+        assert sorted(c for p in plan.partitions for c in p) == list(range(plan.num_chunks))
+        assert plan.chunk_size <= max_chunk_size(S, cp) and (chunk is None or plan.chunk_size <= chunk)
+
+    def test_chunk_cap_reproduces_the_issue_case(self):
+        # chunk_size 568 on 1,050 tokens at cp 4 used to pad to 2,272 tokens with two ranks of padding only
+        plan = solve_dispatch(varlen_slices([0, 1050], causal=True), 1050, 4, DispatchConfig(chunk_size=568))
+        assert plan.chunk_size == 263 and plan.shard_seqlens == (261, 263, 263, 263)
+        assert max_chunk_size(5, 4) == 1 and max_chunk_size(10, 4) == 3 and max_chunk_size(8, 1) == 8
+        with pytest.raises(ValueError, match="total_seqlen=3 is smaller than cp_size=4"):
+            solve_dispatch(varlen_slices([0, 3]), 3, 4)
 
     def test_min_heap_beats_sequential(self):
         sl = varlen_slices([0, 4096], causal=True)
@@ -241,7 +265,7 @@ class TestCommPlan:
             sent = [[0] * W for _ in range(W)]
             for r in range(W):
                 cp = plan.cast_plan(s, r)
-                assert cp.input_rows == plan.dispatch.shard_seqlen
+                assert cp.input_rows == plan.dispatch.shard_seqlens[r]
                 for n, d in zip(cp.input_split_sizes, cp.dst_indices):
                     assert r not in d
                     for dst in d:
@@ -307,7 +331,7 @@ class TestReusedDispatch:
         overlap = OverlapConfig(degree=degree, min_chunk_size=3)
         plan = DistAttnPlan(slices, 101, cp, overlap_config=overlap, dispatch=base.dispatch)
         d, b = plan.dispatch, base.dispatch
-        assert (d.partitions, d.chunk_size, d.padded_seqlen) == (b.partitions, b.chunk_size, b.padded_seqlen)
+        assert (d.partitions, d.chunk_size, d.shard_seqlens) == (b.partitions, b.chunk_size, b.shard_seqlens)
         assert [d.position_ids(r) for r in range(cp)] == [b.position_ids(r) for r in range(cp)]
         assert sum(d.chunk_areas) == sum(s.area for s in slices)  # the new mask's areas, not the base's
         cells = plan_cells(plan)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from magi_attn import (
     DistAttnConfig,
@@ -354,7 +355,7 @@ class CPBatch:
     """A batch prepared for context parallelism: this rank's tokens and the model kwargs."""
 
     key: DistAttnKey
-    input_ids: torch.Tensor  # [1, shard]
+    input_ids: torch.Tensor  # [1, shard]: this rank's tokens (shards may differ in length)
     position_ids: torch.Tensor  # [1, shard], global positions for RoPE
     labels: torch.Tensor | None  # [1, total] global, shifted target ids (-100 = ignore)
     local_labels: torch.Tensor | None = None  # [1, shard]: this rank's targets, dispatched like its tokens
@@ -372,11 +373,13 @@ def prepare_cp_batch(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | DeviceMesh | None,
     config: DistAttnConfig = DistAttnConfig(),
 ) -> CPBatch:
     """Plan a packed batch ``[1, S]`` of documents (``cu_seqlens``), causal within documents,
-    and keep this rank's tokens. Positions restart at 0 in every document (RoPE)."""
+    and keep this rank's tokens (ranks may hold different counts). Positions restart at 0 in
+    every document (RoPE). ``cp_group``: as in :func:`magi_attn.magi_attn_flex_key` (a process
+    group, a 1-D or ``("inter", "intra")`` DeviceMesh, or None)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, total_tokens] (packed), got {tuple(input_ids.shape)}")
     S = input_ids.shape[1]
@@ -396,7 +399,7 @@ def prepare_cp_batch(
         input_ids=dispatch(input_ids[0], key).unsqueeze(0),
         position_ids=doc_pos[global_rows].unsqueeze(0),
         labels=labels,
-        local_labels=dispatch(labels[0], key, pad_value=-100).unsqueeze(0),
+        local_labels=dispatch(labels[0], key).unsqueeze(0),
         documents=tuple((int(a), int(b), int(a)) for a, b in zip(cu_seqlens, cu_seqlens[1:]) if b > a),
     )
 

@@ -21,7 +21,7 @@ import logging
 import os
 
 from magi_kernels import KernelConfig, flex_flash_attn_func
-from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig, compute_pad_size
+from magi_solver import AttnMaskType, AttnRange, AttnRanges, AttnSlice, DispatchConfig, OverlapConfig
 
 from .api import (
     DistAttnKey,
@@ -50,7 +50,6 @@ from .cross import (
 from .launch import WorkerEnv, exit_worker, free_port, init_worker, launched_env, run_workers
 from .masks import MASKS, cu_seqlens_of, make_mask, sample_doc_lengths
 from .roll import roll
-from . import simulate  # the CP simulator (magi-attn simulate): magi_attn.simulate.Simulator, ...
 from magi_comm import PeerFailureError
 
 __version__ = "0.1.0"  # the one place the version is set: pyproject.toml reads it from here
@@ -64,11 +63,11 @@ __all__ = [
     "DistAttnConfig", "DistAttnKey", "KernelConfig", "dispatch_kv", "get_kv_position_ids", "infer_varlen_mask_from_batch",
     "magi_attn_cross_key", "magi_attn_varlen_cross_key", "squash_batch", "squash_batch_dim", "undispatch_kv",
     "unsquash_batch",
-    "OverlapConfig", "calc_attn", "clear_cache", "compute_pad_size", "dispatch", "flex_flash_attn_func",
+    "OverlapConfig", "calc_attn", "clear_cache", "dispatch", "flex_flash_attn_func",
     "get_most_recent_key", "get_position_ids", "magi_attn_flex_key", "magi_attn_flex_key_for_new_mask",
     "magi_attn_varlen_key", "magi_attn_varlen_key_for_new_mask", "make_flex_key_for_new_mask_after_dispatch",
     "make_varlen_key_for_new_mask_after_dispatch", "undispatch",
-    "PeerFailureError", "PlanMismatchError", "roll", "simulate", "WorkerEnv", "exit_worker", "init_worker", "launched_env", "run_workers",
+    "PeerFailureError", "PlanMismatchError", "roll", "WorkerEnv", "exit_worker", "init_worker", "launched_env", "run_workers",
     # configuration vocabulary, launch and benchmark helpers (named masks, context-parallel baselines)
     "COMM_BACKENDS", "MASKS", "comm_rows_per_rank", "contiguous_dispatch", "cu_seqlens_of", "free_port", "make_mask",
     "ring_allgather_attn", "sample_doc_lengths", "ulysses_attn", "zigzag_dispatch",

@@ -28,8 +28,9 @@ from magi_solver import KV_PLACEMENTS, AttnMaskType, AttnRange, AttnSlice, DistA
 from .agreement import Field, check_agreement, config_fields, digest, group_field, labelled
 from .checks import check_group_alive, check_not_an_uninitialized_launch, cu_seqlens_list
 from .config import DistAttnConfig
+from .cp_mesh import CPGroup, NodeGroups, clear_resolved_meshes, resolve_cp_group
 from .dist_attn import DistAttnFunction
-from .runtime import DistAttnRuntime
+from .runtime import DistAttnRuntime, RowPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class DistAttnKey:
 
     ``placement``: the mask whose balance placed the tokens (``config.dispatch`` chunks it), when
     that is another key's (see :func:`magi_attn_flex_key_for_new_mask`); None when the tokens are
-    placed for ``slices`` themselves. Keys of equal slices over different placements differ."""
+    placed for ``slices`` themselves. Keys of equal slices over different placements differ.
+    ``node_groups``: the nodes of a 2-D ``cp_group`` mesh, for ``comm_backend="hier"``."""
 
     slices: tuple[SliceTuple, ...]
     total_seqlen: int
@@ -59,6 +61,7 @@ class DistAttnKey:
     config: DistAttnConfig
     group: Any = field(default=None, compare=False, hash=False, repr=False)
     placement: tuple[SliceTuple, ...] | None = None
+    node_groups: NodeGroups | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def runtime(self) -> DistAttnRuntime:
@@ -66,6 +69,7 @@ class DistAttnKey:
 
     @property
     def shard_seqlen(self) -> int:
+        """Tokens this rank holds after :func:`dispatch` (ranks may hold different counts)."""
         return self.runtime.shard_seqlen
 
     @property
@@ -79,7 +83,7 @@ class DistAttnKey:
         return False
 
     def _new_runtime(self) -> DistAttnRuntime:
-        return DistAttnRuntime(_plan(self), self.cp_rank, self.group, self.config)
+        return DistAttnRuntime(_plan(self), self.cp_rank, self.group, self.config, self.node_groups)
 
     def _kv_fields(self) -> list[Field]:
         """The K/V side's agreement fields; every key has them, so that a rank holding a
@@ -88,7 +92,7 @@ class DistAttnKey:
 
 
 def _cache_id(key: DistAttnKey) -> tuple:
-    return (key, id(key.group))
+    return (key, id(key.group), id(key.node_groups))
 
 
 def _get_runtime(key: DistAttnKey) -> DistAttnRuntime:
@@ -127,12 +131,14 @@ def clear_cache() -> None:
     _MOST_RECENT.clear()
     clear_shared_collectives()
     clear_caches()  # the kernels' plans and tables
+    clear_resolved_meshes()
 
 
 atexit.register(clear_cache)
 
 
 def _group_info(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(size, rank) of a resolved cp_group (see :func:`resolve_cp_group`)."""
     if cp_group is None:
         check_not_an_uninitialized_launch()
         return 1, 0
@@ -166,13 +172,15 @@ def magi_attn_flex_key(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CPGroup = None,
     dist_attn_config: DistAttnConfig = DistAttnConfig(),
 ) -> DistAttnKey:
     """Plan distributed attention for an arbitrary mask given as slices in global coordinates.
 
-    ``cp_group=None`` means a single rank (no communication, no process group needed). The plan
-    is built (and cached) on first use; every rank of the group builds the same plan.
+    ``cp_group``: a process group, a ``DeviceMesh`` (1-D; or 2-D with dims named ``"inter"``
+    and ``"intra"``: nodes and the ranks of a node, whose groups ``comm_backend="hier"`` then
+    uses), or None for a single rank (no communication, no process group needed). The plan is
+    built (and cached) on first use; every rank of the group builds the same plan.
 
     ``total_seqlen_q != total_seqlen_k`` is cross-attention: this returns
     :func:`magi_attn.magi_attn_cross_key` of the same arguments (``kv_placement="auto"``).
@@ -184,10 +192,11 @@ def magi_attn_flex_key(
                                    num_heads_kv, head_dim, cp_group, dist_attn_config=dist_attn_config)
     _check_key_args(num_heads_q, num_heads_kv, head_dim, dist_attn_config)
     slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
-    cp_size, cp_rank = _group_info(cp_group)
+    group, node_groups = resolve_cp_group(cp_group)
+    cp_size, cp_rank = _group_info(group)
     return _make_key(DistAttnKey(
         tuple(s.to_tuple() for s in slices), int(total_seqlen_q), num_heads_q, num_heads_kv, head_dim,
-        cp_size, cp_rank, dist_attn_config, cp_group,
+        cp_size, cp_rank, dist_attn_config, group, node_groups=node_groups,
     ))
 
 
@@ -204,6 +213,11 @@ def _check_key_args(num_heads_q: int, num_heads_kv: int, head_dim: int, dist_att
 def _make_key(key: DistAttnKey, most_recent: bool = True) -> DistAttnKey:
     """Plan ``key`` now (validation errors surface here, not inside the model), check that every
     rank of its group holds the same key, and (``most_recent``) make it the group's most recent."""
+    ng, rpn = key.node_groups, key.config.ranks_per_node
+    if ng is not None and key.config.comm_backend == "hier" and rpn not in (None, ng.ranks_per_node):
+        raise ValueError(f"dist_attn_config.ranks_per_node={rpn} disagrees with the cp_group mesh, whose 'intra' dim "
+                         f"has {ng.ranks_per_node} ranks; leave ranks_per_node=None with a 2-D mesh (its dims say "
+                         "where the nodes are)")
     _get_runtime(key)
     if key.cp_size > 1:
         check_agreement(_key_fields(key), key.group, key.config.comm_timeout_s, _KEY_CHECK)
@@ -255,7 +269,7 @@ def magi_attn_varlen_key(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CPGroup = None,
     *,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
@@ -380,13 +394,16 @@ def _new_mask_key(base_key: DistAttnKey, slices: list[AttnSlice], config: DistAt
         tuples, total, base_key.num_heads_q, base_key.num_heads_kv, base_key.head_dim,
         base_key.cp_size, base_key.cp_rank, config, base_key.group,
         None if tuples == placement else placement,  # the base's own mask: a plain key of the same plan
+        node_groups=base_key.node_groups,
     ))
 
 
-def get_most_recent_key(cp_group: dist.ProcessGroup | None = None) -> DistAttnKey:
-    if id(cp_group) not in _MOST_RECENT:
+def get_most_recent_key(cp_group: CPGroup = None) -> DistAttnKey:
+    """The last key made for ``cp_group`` (a process group, a DeviceMesh or None)."""
+    group, _ = resolve_cp_group(cp_group)
+    if id(group) not in _MOST_RECENT:
         raise KeyError("no key was made for this cp_group yet; call magi_attn_flex_key / magi_attn_varlen_key first")
-    return _MOST_RECENT[id(cp_group)]
+    return _MOST_RECENT[id(group)]
 
 
 def _check_key(key: object, fn: str, name: str = "key") -> None:
@@ -404,66 +421,68 @@ def _check_self_attention(base_key: DistAttnKey, fn: str) -> None:
 
 
 def get_position_ids(key: DistAttnKey) -> torch.Tensor:
-    """Global positions of this rank's dispatched tokens (for RoPE); padding gets the last one."""
+    """Global positions of this rank's dispatched tokens (for RoPE)."""
     return key.runtime.position_ids.clone()
 
 
 class _Dispatch(torch.autograd.Function):
+    """This rank's rows of a global tensor, placed by ``rows`` (the query side, ``rt.rows``, or a
+    cross key's K/V side); ``rt`` gives the rank and group."""
+
     @staticmethod
-    def forward(ctx, x, rt: DistAttnRuntime, pad_value: float):
-        ctx.rt = rt
-        pad = rt.padded_seqlen - x.shape[0]
-        if pad:
-            x = torch.cat([x, x.new_full((pad, *x.shape[1:]), pad_value)], dim=0)
-        return x.index_select(0, on_device(rt.local_index, x.device))
+    def forward(ctx, x, rows: RowPlacement, rt: DistAttnRuntime):
+        ctx.rows, ctx.rt = rows, rt
+        return x.index_select(0, on_device(rows.rank_rows[rt.rank], x.device))
 
     @staticmethod
     def backward(ctx, grad):
-        rt = ctx.rt
-        full = _gather_unpermute(grad.contiguous(), rt)
-        return full[: rt.total_seqlen], None, None
+        return _gather_unpermute(grad.contiguous(), ctx.rows, ctx.rt), None, None
 
 
-def _gather_unpermute(x_local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
+def _gather_unpermute(x_local: torch.Tensor, rows: RowPlacement, rt: DistAttnRuntime) -> torch.Tensor:
+    """Every rank's shard, in global order. Shards may differ in length: each is sent padded to
+    the largest one (at most one chunk more) and the padding rows are dropped on arrival."""
+    pad = rows.gather_rows - x_local.shape[0]
+    if pad and rt.cp_size > 1:
+        x_local = torch.cat([x_local, x_local.new_zeros((pad, *x_local.shape[1:]))])
     gathered = all_gather_rows(x_local, rt.group, rt.config.comm_timeout_s, "all-gather of dispatched rows")
-    out = torch.empty_like(gathered)
-    out.index_copy_(0, on_device(rt.perm, x_local.device), gathered)
-    return out
+    return gathered.index_select(0, on_device(rows.gather_index, x_local.device))
 
 
 class _Undispatch(torch.autograd.Function):
+    """Inverse of :class:`_Dispatch`."""
+
     @staticmethod
-    def forward(ctx, x_local, rt: DistAttnRuntime):
-        ctx.rt = rt
-        return _gather_unpermute(x_local.contiguous(), rt)[: rt.total_seqlen]
+    def forward(ctx, x_local, rows: RowPlacement, rt: DistAttnRuntime):
+        ctx.rows, ctx.rt = rows, rt
+        return _gather_unpermute(x_local.contiguous(), rows, rt)
 
     @staticmethod
     def backward(ctx, grad):
-        rt = ctx.rt
-        pad = rt.padded_seqlen - grad.shape[0]
-        if pad:
-            grad = torch.cat([grad, grad.new_zeros((pad, *grad.shape[1:]))], dim=0)
-        return grad.index_select(0, on_device(rt.local_index, grad.device)), None
+        return grad.index_select(0, on_device(ctx.rows.rank_rows[ctx.rt.rank], grad.device)), None, None
 
 
-def dispatch(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch.Tensor:
+def dispatch(x: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     """This rank's tokens of a global sequence-major tensor ``[total_seqlen, ...]`` (the same on
-    every rank), padded and permuted as planned. Backward all-gathers the gradient."""
+    every rank), permuted as planned: ``[key.shard_seqlen, ...]``, where ranks may hold different
+    token counts (no padding). Backward all-gathers the gradient."""
     _check_key(key, "dispatch")
     if x.shape[0] != key.total_seqlen:
         hint = (" (the query side of a cross-attention key; K/V-side tensors go through dispatch_kv)"
                 if key.is_cross else "")
         raise ValueError(f"dispatch expects {key.total_seqlen} rows (total_seqlen){hint}, got {x.shape[0]}")
-    return _Dispatch.apply(x, key.runtime, pad_value)
+    rt = key.runtime
+    return _Dispatch.apply(x, rt.rows, rt)
 
 
 def undispatch(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
-    """Inverse of :func:`dispatch`: gather every rank's shard and restore global order (unpadded)."""
+    """Inverse of :func:`dispatch`: gather every rank's shard and restore global order."""
     _check_key(key, "undispatch")
     rt = key.runtime
     if x_local.shape[0] != rt.shard_seqlen:
-        raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (shard_seqlen), got {x_local.shape[0]}")
-    return _Undispatch.apply(x_local, rt)
+        raise ValueError(f"undispatch expects {rt.shard_seqlen} local rows (this rank's shard_seqlen), "
+                         f"got {x_local.shape[0]}")
+    return _Undispatch.apply(x_local, rt.rows, rt)
 
 
 def calc_attn(

@@ -125,9 +125,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 inter_node_rows(topo, r, c.input_split_sizes, c.dst_indices, dedup) for r in range(cp) for c in casts[r])
     summary["plan_s_all_ranks"] = round(time.perf_counter() - t0, 4)
     summary["slices"] = len(slices)
-    if not args.verbose:
-        summary.pop("rank_areas")
-        summary.pop("remote_kv_rows")
+    if not args.verbose:  # per-rank lists; the balance (max/mean) and padding stay in the report
+        for per_rank in ("shard_seqlens", "rank_areas", "remote_kv_rows"):
+            summary.pop(per_rank)
     print(json.dumps(summary, indent=2))
     if args.plot:
         from .plot import plot_dispatch

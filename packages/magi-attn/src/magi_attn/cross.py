@@ -49,38 +49,25 @@ from .api import (
     undispatch,
 )
 from .config import DistAttnConfig
-from .runtime import DistAttnRuntime
+from .cp_mesh import CPGroup, NodeGroups, resolve_cp_group
+from .runtime import DistAttnRuntime, RowPlacement
 
 __all__ = ["CrossAttnKey", "dispatch_kv", "magi_attn_cross_key", "magi_attn_varlen_cross_key", "undispatch_kv"]
 
 
-@dataclass(frozen=True)
-class _KVRows:
-    """Where the K/V rows of a sharded cross plan live, in the shape ``_Dispatch`` and
-    ``_Undispatch`` read (the same fields as a runtime's query side)."""
-
-    total_seqlen: int
-    padded_seqlen: int
-    local_index: torch.Tensor  # global padded K/V row of each local row
-    perm: torch.Tensor  # rank-major dispatched order -> global padded row
-    group: Any
-    config: DistAttnConfig
-
-
 class CrossAttnRuntime(DistAttnRuntime):
     """:class:`DistAttnRuntime` of a :class:`magi_solver.CrossAttnPlan`: the inherited query
-    fields (``shard_seqlen``, ``local_index``, ``position_ids``, ...) are the query side's;
-    ``kv_rows`` places the K/V side (None when K/V is replicated)."""
+    fields (``shard_seqlen(s)``, ``rows``, ``position_ids``, ...) are the query side's;
+    ``kv_shard_seqlens`` and ``kv_rows`` place the K/V side (``kv_rows`` is None when K/V is
+    replicated). Like the query shards, the K/V shards may differ in length between ranks."""
 
-    def __init__(self, plan: CrossAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig):
-        super().__init__(plan, rank, group, config)
+    def __init__(self, plan: CrossAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig,
+                 node_groups: NodeGroups | None = None):
+        super().__init__(plan, rank, group, config, node_groups)
         self.total_seqlen_k = plan.total_seqlen_k
         self.kv_replicated = plan.kv_placement == "replicate"
-        self.kv_rows: _KVRows | None = None
-        if not self.kv_replicated:
-            per_rank = [torch.tensor(plan.kv_local_rows(r), dtype=torch.long) for r in range(plan.cp_size)]
-            self.kv_rows = _KVRows(plan.total_seqlen_k, plan.kv_dispatch.padded_seqlen, per_rank[rank],
-                                   torch.cat(per_rank), group, config)
+        self.kv_shard_seqlens = plan.kv_shard_seqlens
+        self.kv_rows: RowPlacement | None = None if self.kv_replicated else RowPlacement.of(plan.kv_dispatch)
 
 
 @dataclass(frozen=True)
@@ -105,14 +92,15 @@ class CrossAttnKey(DistAttnKey):
             _attn_slices(self.slices), self.total_seqlen, self.total_seqlen_k, self.cp_size,
             num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv, head_dim=self.head_dim,
             dispatch_config=self.config.dispatch, overlap_config=self.config.overlap, kv_placement=self.kv_placement)
-        return CrossAttnRuntime(plan, self.cp_rank, self.group, self.config)
+        return CrossAttnRuntime(plan, self.cp_rank, self.group, self.config, self.node_groups)
 
     def _kv_fields(self) -> list[Field]:
         return [labelled("kv_placement", self.kv_placement, KV_SIDES), Field("total_seqlen_k", self.total_seqlen_k)]
 
     @property
     def kv_shard_seqlen(self) -> int:
-        """K/V rows of this rank's :func:`dispatch_kv` output."""
+        """K/V rows of this rank's :func:`dispatch_kv` output (ranks may hold different counts:
+        ``key.runtime.kv_shard_seqlens`` has every rank's)."""
         return self.runtime.kv_shard_seqlen
 
 
@@ -125,7 +113,7 @@ def magi_attn_cross_key(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CPGroup = None,
     *,
     kv_placement: str = "auto",
     dist_attn_config: DistAttnConfig = DistAttnConfig(),
@@ -136,8 +124,10 @@ def magi_attn_cross_key(
     fine too: the two are still separate sequences, dispatched separately).
 
     ``kv_placement``: ``"shard"``, ``"replicate"`` or ``"auto"`` (replicate when
-    ``total_seqlen_k`` is at most one query shard, ``padded total_seqlen_q / cp_size``). Query
-    placement follows ``dist_attn_config.dispatch``; the K/V side is contiguous shards. Collective
+    ``total_seqlen_k`` is at most the largest query shard, ``max(key.runtime.shard_seqlens)``, or
+    smaller than ``cp_size``). Query placement follows ``dist_attn_config.dispatch``; the K/V
+    side is contiguous shards, unpadded (``key.kv_shard_seqlen`` rows on this rank). ``cp_group``
+    as in :func:`magi_attn_flex_key` (a process group, a DeviceMesh or None). Collective
     over ``cp_group`` like :func:`magi_attn_flex_key`; new-mask keys over a cross key are refused.
     A cross key does not become the group's :func:`get_most_recent_key`: that stays the
     self-attention key the model's other layers dispatch with.
@@ -149,10 +139,12 @@ def magi_attn_cross_key(
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     slices = _as_slices(q_ranges, k_ranges, attn_mask_type)
-    cp_size, cp_rank = _group_info(cp_group)
+    group, node_groups = resolve_cp_group(cp_group)
+    cp_size, cp_rank = _group_info(group)
     return _make_key(CrossAttnKey(  # type: ignore[return-value]
         tuple(s.to_tuple() for s in slices), total_seqlen_q, num_heads_q, num_heads_kv, head_dim,
-        cp_size, cp_rank, dist_attn_config, cp_group, None, total_seqlen_k, kv_placement,
+        cp_size, cp_rank, dist_attn_config, group,
+        node_groups=node_groups, total_seqlen_k=total_seqlen_k, kv_placement=kv_placement,
     ), most_recent=False)
 
 
@@ -162,7 +154,7 @@ def magi_attn_varlen_cross_key(
     num_heads_q: int,
     num_heads_kv: int,
     head_dim: int,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CPGroup = None,
     *,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
@@ -216,21 +208,22 @@ def _cross_runtime(key: DistAttnKey, fn: str) -> CrossAttnRuntime | None:
     return key.runtime if key.is_cross else None  # type: ignore[return-value]
 
 
-def dispatch_kv(x: torch.Tensor, key: DistAttnKey, pad_value: float = 0.0) -> torch.Tensor:
+def dispatch_kv(x: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     """This rank's K/V-side rows of a global ``[total_seqlen_k, ...]`` tensor (the same on every
-    rank): its contiguous shard (padded), or all of it when K/V is replicated. Use it for the
-    key/value sequence's tensors (or the activations they are projected from) of a cross key;
-    the query side goes through :func:`dispatch`. For a self-attention key this is
-    :func:`dispatch`. Backward: the full gradient of ``x`` on every rank."""
+    rank): its contiguous shard, ``[key.kv_shard_seqlen, ...]`` with no padding (ranks may hold
+    different counts), or all of it when K/V is replicated. Use it for the key/value sequence's
+    tensors (or the activations they are projected from) of a cross key; the query side goes
+    through :func:`dispatch`. For a self-attention key this is :func:`dispatch`. Backward: the
+    full gradient of ``x`` on every rank."""
     rt = _cross_runtime(key, "dispatch_kv")
     if rt is None:
-        return dispatch(x, key, pad_value)
+        return dispatch(x, key)
     if x.shape[0] != rt.total_seqlen_k:
         raise ValueError(f"dispatch_kv expects {rt.total_seqlen_k} rows (total_seqlen_k, the key/value sequence), "
                          f"got {x.shape[0]}; query-side tensors ({key.total_seqlen} rows) go through dispatch")
     if rt.kv_rows is None:
         return _ReplicatedDispatch.apply(x, rt)
-    return _Dispatch.apply(x, rt.kv_rows, pad_value)
+    return _Dispatch.apply(x, rt.kv_rows, rt)
 
 
 def undispatch_kv(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
@@ -240,18 +233,17 @@ def undispatch_kv(x_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
     if rt is None:
         return undispatch(x_local, key)
     if x_local.shape[0] != rt.kv_shard_seqlen:
-        raise ValueError(f"undispatch_kv expects {rt.kv_shard_seqlen} local rows (kv_shard_seqlen), got "
+        raise ValueError(f"undispatch_kv expects {rt.kv_shard_seqlen} local rows (this rank's kv_shard_seqlen), got "
                          f"{x_local.shape[0]}; query-side tensors ({rt.shard_seqlen} rows) go through undispatch")
     if rt.kv_rows is None:
         return _ReplicatedUndispatch.apply(x_local, rt)
-    return _Undispatch.apply(x_local, rt.kv_rows)
+    return _Undispatch.apply(x_local, rt.kv_rows, rt)
 
 
 def get_kv_position_ids(key: DistAttnKey) -> torch.Tensor:
-    """Global positions of this rank's K/V rows (for RoPE on the key sequence); padding gets
-    the last one. For a self-attention key these are the query positions."""
+    """Global positions of this rank's K/V rows (for RoPE on the key sequence). For a
+    self-attention key these are the query positions."""
     rt = _cross_runtime(key, "get_kv_position_ids")
     if rt is None:
         return key.runtime.position_ids.clone()
-    rows = torch.arange(rt.total_seqlen_k) if rt.kv_rows is None else rt.kv_rows.local_index
-    return rows.clamp(max=rt.total_seqlen_k - 1)
+    return torch.arange(rt.total_seqlen_k) if rt.kv_rows is None else rt.kv_rows.rank_rows[rt.rank].clone()

@@ -14,7 +14,7 @@ def plot_dispatch(plan: DistAttnPlan, path: str, *, title: str = "", resolution:
     import numpy as np
 
     d = plan.dispatch
-    S = d.padded_seqlen
+    S = d.total_seqlen
     res = min(resolution, S)
     cell = S / res
     grid = np.full((res, res), -1.0)

@@ -5,7 +5,7 @@ holds scattered chunks of the sequence, so the shifted token of a local row usua
 another rank. ``roll`` moves exactly those rows: every rank derives the same plan from the key
 (which rank holds each global token, at which local row), sends each of its rows to the one
 rank that needs it (a GroupCast), and the backward sends the gradient rows back the same way.
-Padding rows (past ``total_seqlen``) are neither read nor written: they come back as zeros.
+Ranks may hold different token counts (the dispatch does not pad).
 """
 
 from __future__ import annotations
@@ -33,22 +33,19 @@ class _RollPlan:
 
 @lru_cache(maxsize=64)
 def _plan(rt: DistAttnRuntime, shifts: int) -> _RollPlan:
-    d = rt.plan.dispatch
-    world, shard, total = d.cp_size, rt.shard_seqlen, rt.total_seqlen
-    perm = rt.perm.tolist()  # dispatched position (rank * shard + local row) -> global padded row
-    where = {g: divmod(p, shard) for p, g in enumerate(perm) if g < total}  # global -> (rank, local row)
+    world, total = rt.plan.dispatch.cp_size, rt.total_seqlen
+    rank_rows = [rows.tolist() for rows in rt.rows.rank_rows]  # local row -> global row, per rank
+    where = {g: (r, i) for r, rows in enumerate(rank_rows) for i, g in enumerate(rows)}  # global -> (rank, row)
     me = rt.rank
     sends: list[list[int]] = [[] for _ in range(world)]
     recvs: list[list[int]] = [[] for _ in range(world)]
-    for p, g in enumerate(perm):  # every rank walks the same order, so both sides agree on it
-        if g >= total:
-            continue
-        dst, dst_row = divmod(p, shard)
-        src, src_row = where[(g - shifts) % total]
-        if src == me:
-            sends[dst].append(src_row)
-        if dst == me:
-            recvs[src].append(dst_row)
+    for dst, rows in enumerate(rank_rows):  # every rank walks the same order, so both sides agree on it
+        for dst_row, g in enumerate(rows):
+            src, src_row = where[(g - shifts) % total]
+            if src == me:
+                sends[dst].append(src_row)
+            if dst == me:
+                recvs[src].append(dst_row)
     flat = lambda rows: torch.tensor([r for part in rows for r in part], dtype=torch.long)  # noqa: E731
     return _RollPlan(flat(sends), tuple(map(len, sends)), flat(recvs), tuple(map(len, recvs)))
 
@@ -84,9 +81,9 @@ def roll(x: torch.Tensor, shifts: int, key) -> torch.Tensor:
     """``dispatch(torch.roll(global_x, shifts, dims=0), key)`` computed from this rank's
     dispatched ``x [shard_seqlen, ...]`` alone (every rank of the key's group calls it).
 
-    The roll wraps around the unpadded sequence of ``total_seqlen`` tokens; padding rows of the
-    result are zero. Differentiable. For multi-token prediction, ``roll(labels, -k, key)`` gives
-    each local token the label k tokens ahead (mask the wrapped-around ones, as with torch.roll).
+    The roll wraps around the sequence of ``total_seqlen`` tokens. Differentiable. For multi-token
+    prediction, ``roll(labels, -k, key)`` gives each local token the label k tokens ahead (mask the
+    wrapped-around ones, as with torch.roll).
     """
     from .api import _check_key  # the key checks every API entry point runs
 
@@ -96,5 +93,6 @@ def roll(x: torch.Tensor, shifts: int, key) -> torch.Tensor:
         raise TypeError(f"roll: shifts must be an int (tokens along the sequence), got {shifts!r}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != rt.shard_seqlen:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"roll: x must be a dispatched tensor [shard_seqlen={rt.shard_seqlen}, ...], got {shape}")
+        raise ValueError(f"roll: x must be a dispatched tensor [shard_seqlen={rt.shard_seqlen} (this rank's), ...], "
+                         f"got {shape}")
     return _Roll.apply(x.contiguous(), rt, shifts % max(rt.total_seqlen, 1))

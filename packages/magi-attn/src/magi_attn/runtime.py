@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from magi_comm import GroupCollective, make_group_collective
 from magi_kernels import AttentionPlan, KernelConfig, plan_attention
-from magi_solver import DistAttnPlan, GroupCastPlan
+from magi_solver import DispatchPlan, DistAttnPlan, GroupCastPlan
 
 from .config import DistAttnConfig
+from .cp_mesh import NodeGroups
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +49,61 @@ class SliceArgs:
         return plan
 
 
+def _rank_rows(d: DispatchPlan, rank: int) -> torch.Tensor:
+    """Global rows of ``rank``'s local rows (``d.position_ids(rank)``, built with tensor ops)."""
+    chunks = torch.tensor(d.partitions[rank], dtype=torch.long)
+    rows = (chunks[:, None] * d.chunk_size + torch.arange(d.chunk_size, dtype=torch.long)).reshape(-1)
+    return rows[rows < d.total_seqlen]  # the last chunk of the sequence may be short
+
+
+@dataclass(frozen=True)
+class RowPlacement:
+    """Where the rows of one dispatched sequence live, as index tensors: the query side of every
+    key, and the K/V side of a cross-attention key with sharded K/V."""
+
+    rank_rows: tuple[torch.Tensor, ...]  # per rank: global row of each local row (lengths may differ)
+    # undispatch's all-gather moves equal blocks of the largest shard's rows (gloo's all_gather
+    # takes equal sizes only); gather_index[g] is global row g's place in that gathered buffer
+    gather_rows: int
+    gather_index: torch.Tensor
+
+    @classmethod
+    def of(cls, d: DispatchPlan) -> "RowPlacement":
+        rank_rows = tuple(_rank_rows(d, r) for r in range(d.cp_size))
+        gather_rows = max(rows.numel() for rows in rank_rows)
+        gather_index = torch.empty(d.total_seqlen, dtype=torch.long)
+        for r, rows in enumerate(rank_rows):
+            gather_index[rows] = torch.arange(rows.numel(), dtype=torch.long) + r * gather_rows
+        return cls(rank_rows, gather_rows, gather_index)
+
+
 class DistAttnRuntime:
     """What one rank needs at run time; built once per key and cached."""
 
-    def __init__(self, plan: DistAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig):
+    def __init__(self, plan: DistAttnPlan, rank: int, group: dist.ProcessGroup | None, config: DistAttnConfig,
+                 node_groups: NodeGroups | None = None):
         self.plan, self.rank, self.group, self.config = plan, rank, group, config
+        self.node_groups = node_groups  # nodes of a 2-D cp_group mesh, for the "hier" backend
         d = plan.dispatch
-        cs = d.chunk_size
-        self.shard_seqlen = d.shard_seqlen
+        self.shard_seqlens = d.shard_seqlens  # ranks may hold different token counts (no padding)
+        self.shard_seqlen = self.shard_seqlens[rank]
         self.total_seqlen = d.total_seqlen
-        self.padded_seqlen = d.padded_seqlen
-        self.kv_shard_seqlen = plan.kv_shard_seqlen  # local K/V rows (shard_seqlen unless cross-attention)
-        chunk_rows = torch.arange(cs, dtype=torch.long)
-        per_rank = [
-            (torch.tensor(part, dtype=torch.long)[:, None] * cs + chunk_rows[None, :]).reshape(-1)
-            for part in d.partitions
-        ]
-        self.local_index = per_rank[rank]  # global padded row of each local row
-        self.perm = torch.cat(per_rank)  # dispatched order (rank-major) -> global padded row
-        self.position_ids = self.local_index.clamp(max=max(d.total_seqlen - 1, 0))
+        self.cp_size = d.cp_size
+        self.rows = RowPlacement.of(d)
+        self.local_index = self.rows.rank_rows[rank]  # global row of each local row
+        self.position_ids = self.local_index
+        self.kv_shard_seqlen = plan.kv_shard_seqlens[rank]  # local K/V rows (shard_seqlen unless cross-attention)
         calc = plan.calc_plan(rank)
         self.calc = calc
         self.cast_plans: list[GroupCastPlan] = [plan.cast_plan(s, rank) for s in range(plan.num_stages)]
         # stage s: cast_plans[s] brings remote KV here; its transpose sums dK/dV back
+        ng = node_groups
         self.comm: GroupCollective = make_group_collective(
             config.comm_backend, self.cast_plans, group,
-            timeout_s=config.comm_timeout_s, ranks_per_node=config.ranks_per_node,
-            ordered=config.deterministic or torch.are_deterministic_algorithms_enabled())
+            timeout_s=config.comm_timeout_s,
+            ranks_per_node=config.ranks_per_node if ng is None else ng.ranks_per_node,
+            ordered=config.deterministic or torch.are_deterministic_algorithms_enabled(),
+            node_groups=None if ng is None or config.comm_backend != "hier" else (ng.intra, ng.inter))
         self._slice_args: tuple[SliceArgs, list[SliceArgs], SliceArgs] | None = None
         # the (dtype, device, scale, softcap, backend, autograd) the ranks last agreed on (agreement.py)
         self.agreed_call: tuple | None = None

@@ -31,6 +31,8 @@ from .waiting import DEFAULT_TIMEOUT_S
 
 COLLECTIVE_KINDS = ("a2a", "ipc", "hier")
 
+NodeGroupPair = tuple[dist.ProcessGroup, dist.ProcessGroup]  # (intra-node group, inter-node group) of this rank
+
 
 class CastStage(Protocol):
     """Split-level form of one stage's GroupCast on this rank (a ``magi_solver.GroupCastPlan``
@@ -145,18 +147,26 @@ class NodeAwareCollective(GroupCollective):
     kind = "hier"
 
     def __init__(self, stages: Sequence[CastStage], group: dist.ProcessGroup, ranks_per_node: int | None = None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False):
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, ordered: bool = False,
+                 node_groups: NodeGroupPair | None = None):
         super().__init__(stages, group, timeout_s, ordered)
         self.ranks_per_node = ranks_per_node
+        self.node_groups = node_groups
         self._planned: tuple[HierarchicalCollectives, list[TwoHopPlan]] | None = None
 
     def _plans(self, x: torch.Tensor) -> tuple[HierarchicalCollectives, list[TwoHopPlan]]:
         if self._planned is None:
-            hc = shared_collectives(self.group, self.ranks_per_node)
+            hc = shared_collectives(self.group, self.ranks_per_node, self.node_groups)
             plans = [hc.cast_plan(p.input_split_sizes, p.dst_indices, p.output_split_sizes, p.src_index, x.device)
                      for p in self.stages]
             self._planned = (hc, plans)
         return self._planned
+
+    @property
+    def two_hop(self) -> HierarchicalCollectives | None:
+        """The two-hop collectives (with their ``intra`` / ``inter`` node groups) once the first
+        call has built them, else None."""
+        return None if self._planned is None else self._planned[0]
 
     def cast(self, input: torch.Tensor, stage: int) -> PendingCollective:
         hc, plans = self._plans(input)
@@ -177,6 +187,7 @@ def make_group_collective(
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     ranks_per_node: int | None = None,
     ordered: bool = False,
+    node_groups: NodeGroupPair | None = None,
 ) -> GroupCollective:
     """The :class:`GroupCollective` of transport ``kind`` (one of :data:`COLLECTIVE_KINDS`) for
     ``stages`` over ``group``. Nothing is communicated here: the IPC arena, the node groups and
@@ -185,11 +196,20 @@ def make_group_collective(
     process group (``group=None``) there is nothing to route across nodes, so ``"hier"`` runs
     the all-to-all path. ``timeout_s``: see :class:`magi_comm.PendingCollective`. ``ordered``:
     every reduce sums in a fixed order, bitwise reproducible (:func:`magi_comm.add_rows`; with
-    ``"ipc"`` the reduce then runs over all-to-all)."""
+    ``"ipc"`` the reduce then runs over all-to-all). ``node_groups``: ``(intra, inter)`` process
+    groups that already exist (e.g. the two dims of a 2-D ``DeviceMesh``) for ``"hier"`` to use
+    instead of creating its own; they must match ``ranks_per_node`` (checked on the first call,
+    see :class:`magi_comm.HierarchicalCollectives`). Other kinds do not take them."""
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown group collective kind {kind!r}; choose one of {COLLECTIVE_KINDS}")
+    if node_groups is not None and kind != "hier":
+        raise ValueError(f"node_groups are for the node-aware kind 'hier'; kind {kind!r} does not use them (pass "
+                         "node_groups=None, or kind='hier')")
+    if node_groups is not None and ranks_per_node is None:
+        raise ValueError("node_groups need ranks_per_node (the size of the intra-node group) to place group ranks "
+                         "on nodes")
     if kind == "ipc":
         return IpcCollective(stages, group, timeout_s, ordered)
     if kind == "hier" and group is not None:
-        return NodeAwareCollective(stages, group, ranks_per_node, timeout_s, ordered)
+        return NodeAwareCollective(stages, group, ranks_per_node, timeout_s, ordered, node_groups)
     return AllToAllCollective(stages, group, timeout_s, ordered)

@@ -39,12 +39,14 @@ def clear_shared_collectives() -> None:
     _SHARED.clear()
 
 
-def shared_collectives(group: dist.ProcessGroup | None, ranks_per_node: int | None) -> "HierarchicalCollectives":
-    """One instance (one pair of subgroups) per (group, ranks_per_node) in this process; the
-    first call is collective."""
-    key = (id(group) if group is not None else None, ranks_per_node)
+def shared_collectives(group: dist.ProcessGroup | None, ranks_per_node: int | None,
+                       node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None) -> "HierarchicalCollectives":
+    """One instance (one pair of subgroups) per (group, ranks_per_node, node_groups) in this
+    process; the first call is collective."""
+    key = (id(group) if group is not None else None, ranks_per_node,
+           None if node_groups is None else tuple(id(g) for g in node_groups))
     if key not in _SHARED:
-        _SHARED[key] = HierarchicalCollectives(group, ranks_per_node)
+        _SHARED[key] = HierarchicalCollectives(group, ranks_per_node, node_groups=node_groups)
     return _SHARED[key]
 
 
@@ -53,10 +55,14 @@ class HierarchicalCollectives:
     :func:`magi_comm.group_cast` / :func:`magi_comm.group_reduce` (plus ``plan_key``).
 
     Building it creates the intra-node and inter-node process groups: every rank of ``group``
-    must construct it at the same time.
+    must construct it at the same time. ``node_groups``: ``(intra, inter)`` groups that exist
+    already (e.g. the two dims of a ``DeviceMesh``), used instead: ``intra`` holds this rank's
+    node, ``inter`` the ranks with its local index on every node, both as the topology places
+    them (group rank ``r`` on node ``r // ranks_per_node``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None, cache_size: int = 64):
+    def __init__(self, group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None, cache_size: int = 64,
+                 *, node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None):
         if not dist.is_initialized():
             raise RuntimeError("HierarchicalCollectives needs an initialised torch.distributed process group")
         world = dist.get_world_size(group)
@@ -64,15 +70,25 @@ class HierarchicalCollectives:
         self.me = dist.get_rank(group)
         ranks = [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
         t = self.topo
-        self.intra = self.inter = None
-        for n in range(t.nodes):  # every rank creates every group, in the same order
-            g = dist.new_group([ranks[t.rank(n, l)] for l in range(t.ranks_per_node)])
-            if n == t.node(self.me):
-                self.intra = g
-        for l in range(t.ranks_per_node):
-            g = dist.new_group([ranks[t.rank(n, l)] for n in range(t.nodes)])
-            if l == t.local(self.me):
-                self.inter = g
+        intra_ranks = [ranks[t.rank(t.node(self.me), l)] for l in range(t.ranks_per_node)]
+        inter_ranks = [ranks[t.rank(n, t.local(self.me))] for n in range(t.nodes)]
+        if node_groups is not None:
+            self.intra, self.inter = node_groups
+            for name, g, want in (("intra", self.intra, intra_ranks), ("inter", self.inter, inter_ranks)):
+                if dist.get_process_group_ranks(g) != want:
+                    raise ValueError(f"node_groups: the {name}-node group holds global ranks "
+                                     f"{dist.get_process_group_ranks(g)}, but with ranks_per_node={t.ranks_per_node} "
+                                     f"this rank's {name}-node ranks are {want}")
+        else:
+            self.intra = self.inter = None
+            for n in range(t.nodes):  # every rank creates every group, in the same order
+                g = dist.new_group([ranks[t.rank(n, l)] for l in range(t.ranks_per_node)])
+                if n == t.node(self.me):
+                    self.intra = g
+            for l in range(t.ranks_per_node):
+                g = dist.new_group([ranks[t.rank(n, l)] for n in range(t.nodes)])
+                if l == t.local(self.me):
+                    self.inter = g
         self._cache: OrderedDict[Hashable, tuple] = OrderedDict()
         self._cache_size = cache_size
 

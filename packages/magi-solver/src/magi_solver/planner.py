@@ -112,13 +112,15 @@ class DistAttnPlan:
         self._calc_cache: dict[int, RankCalcPlan] = {}
 
     @property
-    def kv_shard_seqlen(self) -> int:
-        """K/V rows of each rank's local shard (the query shard's length in self-attention)."""
-        return self.kv_dispatch.shard_seqlen
+    def kv_shard_seqlens(self) -> tuple[int, ...]:
+        """K/V rows of each rank's local shard (``dispatch.shard_seqlens`` in self-attention);
+        like the query shards they may differ between ranks (no padding)."""
+        return tuple(r.total_seqlen for r in self.host_ranges)
 
     # -- KV needs ------------------------------------------------------------------------------
     def _rank_bands(self, rank: int) -> list[tuple[int, Band]]:
-        """(local q offset delta, global band) of every band of the rank's chunks."""
+        """(local q offset delta, global band) of every band of the rank's chunks (a chunk at
+        position ``pos`` of its rank starts at local row ``pos * chunk_size``: see DispatchPlan)."""
         cs = self.dispatch.chunk_size
         out = []
         for pos, c in enumerate(self.dispatch.partitions[rank]):
@@ -133,8 +135,7 @@ class DistAttnPlan:
     # -- overlap stages ------------------------------------------------------------------------
     def _remote_rows_s(self, rank: int, ranges: AttnRanges, intra_s: float, inter_s: float) -> dict[int, float]:
         """Wire seconds of ``ranges`` to ``rank`` per source rank: rows held on its own node at the
-        intra-node rate, the rest at the inter-node rate (split at the K/V dispatch's chunks, which
-        own them: the query dispatch's in self-attention, the K/V side's in cross-attention)."""
+        intra-node rate, the rest at the inter-node rate (split at the K/V chunks that own them)."""
         cs, per_node = self.kv_dispatch.chunk_size, self.overlap_config.ranks_per_node
         node = rank // per_node
         out: dict[int, float] = {}
@@ -165,7 +166,7 @@ class DistAttnPlan:
         # every stage passes over the whole shard: forward ~30 bytes per (row, head, dim) element (the
         # kernel's Q in and fp32 output, merge_out_lse's ~6 fp32 passes), backward ~28 (the kernel's Q,
         # dO, O in and fp32 dQ, then dq + dq_s); the backward also launches its preprocessing
-        elements = self.dispatch.shard_seqlen * self.num_heads_q * self.head_dim / (cfg.memory_gbps * 1e9)
+        elements = self.dispatch.shard_seqlens[rank] * self.num_heads_q * self.head_dim / (cfg.memory_gbps * 1e9)
         return RankCosts(host_area * to_s_calc, tuple(calc), tuple(comm), 30 * elements,
                          28 * elements + BWD_STAGE_FIXED_S, sources)
 
@@ -223,7 +224,7 @@ class DistAttnPlan:
             for g in self.stage_ranges[stage][dst].intersect(host):
                 loc = self._to_local(rank, g)
                 pieces.append((loc.start, loc.end, dst))
-        in_sizes, dsts = segments_with_destinations(self.kv_shard_seqlen, pieces)
+        in_sizes, dsts = segments_with_destinations(self.kv_shard_seqlens[rank], pieces)
         out_sizes: list[int] = []
         src: list[int] = []
         for r in self.stage_ranges[stage][rank]:
@@ -270,10 +271,13 @@ class DistAttnPlan:
         d = self.dispatch
         return {
             "total_seqlen": d.total_seqlen,
-            "padded_seqlen": d.padded_seqlen,
             "chunk_size": d.chunk_size,
             "num_chunks": d.num_chunks,
             "cp_size": self.cp_size,
+            "shard_seqlens": list(d.shard_seqlens),
+            "max_shard_seqlen": max(d.shard_seqlens),
+            "pad_tokens": sum(d.shard_seqlens) - d.total_seqlen,  # 0: ranks hold the sequence's tokens only
+            "token_imbalance": round(d.token_imbalance(), 4),
             "rank_areas": d.rank_areas(),
             "imbalance": round(d.imbalance(), 4),
             "remote_kv_rows": self.comm_rows(),

@@ -16,6 +16,7 @@ from .timeline import Compute, Issue, RankTimes, Timeline, Wait, simulate
 
 __all__ = [
     "Case", "Compute", "DEVICES", "FIXED_DEGREES", "Issue", "KernelCostModel", "LinkModel", "METHODS", "RankTimes",
-    "Result", "Shape", "Simulator", "Timeline", "Wait", "build_plan", "degree_check", "dq_add_s", "merge_s", "format_table", "plot",
+    "Result", "Shape", "Simulator", "Timeline", "Wait", "build_plan", "degree_check", "dq_add_s", "format_table",
+    "merge_s", "plot",
     "simulate", "simulate_magi", "simulate_ring", "simulate_ulysses", "simulate_usp", "sweep",
 ]

@@ -144,7 +144,6 @@ def simulate_magi(slices: Sequence[AttnSlice], total: int, cp: int, shape: Shape
     ``"a2a"`` and ``"ipc"`` move every row straight to each destination; ``"hier"`` takes two hops
     (one inter-node copy per destination node); ranks per node are ``links.ranks_per_node``."""
     plan = plan or build_plan(slices, total, cp, shape, config)
-    shard = plan.dispatch.shard_seqlen
     hq = shape.heads_q
     n = plan.num_stages
     kv_row = 2 * shape.heads_kv * shape.head_dim * KV_BYTES
@@ -161,8 +160,9 @@ def simulate_magi(slices: Sequence[AttnSlice], total: int, cp: int, shape: Shape
     bwd_progs: list[list[Op]] = []
     for r in range(cp):
         calc = plan.calc_plan(r)
+        shard = plan.dispatch.shard_seqlens[r]  # this rank's query rows (ranks may hold different counts)
         if no_overlap and n:
-            merged = calc.merged(shard)
+            merged = calc.merged(plan.kv_shard_seqlens[r])
             casts = [op for s in range(n) for op in (Issue(("cast", s)), Wait(("cast", s)))]
             fwd_progs.append([*casts, Compute(cost.forward_s(merged, hq))])
             reduces = [op for s in range(n) for op in (Issue(("reduce", s)), Wait(("reduce", s)))]
