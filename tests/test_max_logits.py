@@ -76,3 +76,26 @@ def _dist_worker(rank, world):  # noqa: ARG001 - the harness passes world
 @pytest.mark.parametrize("world", [1, 3])
 def test_calc_attn_max_logits_over_stages_and_ranks(world):
     run_distributed(_dist_worker, world)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", ["varlen_block_causal", "mixed_overlapping"])
+def test_gpu_max_logits_match_dense(name, d):
+    """bf16 on the GPU kernel (at d=128 on sm90 the Triton forward stands in for the Gluon one):
+    the max logits are those of the bf16 inputs' exact products (fp32 accumulation)."""
+    from magi_kernels import flex_flash_attn_func
+    from magi_kernels.testing import dense_attention, dense_mask, dense_max_logits
+
+    slices, S = mask_cases()[name]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v = (torch.randn(S, h, d, generator=g, device="cuda", dtype=torch.bfloat16) * 2 for h in (HQ, HK, HK))
+    out, lse, mx = flex_flash_attn_func(q, k, v, *_slices_args(slices), softcap=30.0, backend="triton",
+                                        return_max_logits=True)
+    mask = dense_mask(slices, S, S, device="cuda")
+    ref = dense_max_logits(q.double(), k.double(), mask, softcap=30.0)
+    assert torch.equal(torch.isfinite(mx), torch.isfinite(ref))
+    torch.testing.assert_close(mx.double(), ref, atol=2e-3, rtol=1e-3)
+    ref_out, _ = dense_attention(q.double(), k.double(), v.double(), mask, softcap=30.0)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
