@@ -40,11 +40,11 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=c
 CLOCKS_PID=$!
 if has tests; then
   # TEST_K selects a subset of the GPU tests (pytest -k expression)
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/test_triton_gpu.py tests/test_native.py \
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rf tests/kernels/test_triton_gpu.py tests/kernels/test_kernel_native.py tests/comm/test_native.py \
     ${TEST_WORKERS:+-n $TEST_WORKERS} ${TEST_K:+-k "$TEST_K"} > $OUT/tests.log 2>&1
   grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
   if [ "${EXTRA_TESTS:-1}" = 1 ]; then
-    timeout 90 python3 -m pytest -q -rf tests/test_ipc_gpu.py 2>&1 | tail -2
+    timeout 90 python3 -m pytest -q -rf tests/comm/test_ipc_gpu.py 2>&1 | tail -2
   fi
 fi
 if has sweep; then

@@ -1,7 +1,7 @@
 """Run the Triton backend's kernels in Triton's CPU interpreter against the float64 dense
 reference (forward, backward, softcap, GQA, overlapping and empty slices, ragged sizes).
 
-Launched by tests/test_triton_interpreter.py in a fresh process: TRITON_INTERPRET must be set
+Launched by tests/kernels/test_triton_interpreter.py in a fresh process: TRITON_INTERPRET must be set
 before triton and magi_kernels are imported. Small tiles keep the interpreter fast.
 """
 

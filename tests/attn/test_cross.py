@@ -3,15 +3,11 @@ against a float64 dense reference (out, lse, dq, dk, dv) on 1, 2 and 4 gloo rank
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
+from dist_cases import HK, HQ, TOL, D, check_cross_case, cross_config, randn64
 from dist_harness import run_distributed
-
-HQ, HK, D = 4, 2, 8
-TOL = 1e-10  # float64 end to end: only summation-order rounding differs
 
 # (name, slices (q_start, q_end, k_start, k_end, type: 0 full, 1 causal, 2 inv-causal, 3 bi-causal),
 #  total_seqlen_q, total_seqlen_k, kv_placement, placement "auto" must pick on more than one rank)
@@ -36,58 +32,13 @@ UNEVEN_CASES = [
 ]
 
 
-def _config(chunk_size=None, **overlap):
-    from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
-
-    return DistAttnConfig(overlap=OverlapConfig(**(overlap or dict(degree=1))), kernel_backend="torch",
-                          dispatch=DispatchConfig(chunk_size=chunk_size))
-
-
-def _randn(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-
-def _loss(out, lse, g_out, g_lse):
-    finite = torch.isfinite(lse)
-    return (out * g_out).sum() + torch.where(finite, lse * g_lse, 0).sum()
-
-
-def check_cross_case(name, slices, sq, sk, placement, expect, group, rank, config=None):
-    from magi_attn import calc_attn, dispatch, dispatch_kv, magi_attn_cross_key, undispatch
-    from magi_kernels.testing import dense_attention, dense_mask
-
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    q, k, v = _randn(gen, sq, HQ, D), _randn(gen, sk, HK, D), _randn(gen, sk, HK, D)
-    g_out, g_lse = _randn(gen, sq, HQ, D), _randn(gen, sq, HQ)
-    key = magi_attn_cross_key([s[:2] for s in slices], [s[2:4] for s in slices], [s[4] for s in slices], sq, sk,
-                              HQ, HK, D, group, kv_placement=placement, dist_attn_config=config or _config())
-    resolved = key.runtime.plan.kv_placement
-    assert resolved == (expect if key.cp_size > 1 else resolved), f"{name}: auto chose {resolved}, not {expect}"
-    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
-    out_l, lse_l = calc_attn(dispatch(qd, key), dispatch_kv(kd, key), dispatch_kv(vd, key), key)
-    out, lse = undispatch(out_l, key), undispatch(lse_l, key)
-    _loss(out, lse, g_out, g_lse).backward()
-
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = dense_attention(qr, kr, vr, dense_mask(slices, sq, sk))
-    _loss(ref_out, ref_lse, g_out, g_lse).backward()
-    where = f"case={name} rank={rank}/{key.cp_size} kv={resolved}"
-    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), f"{where}: rows without keys differ"
-    fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0, msg=lambda m: f"{where} out: {m}")
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=TOL, rtol=0, msg=lambda m: f"{where} lse: {m}")
-    for n, a, b in (("dq", qd.grad, qr.grad), ("dk", kd.grad, kr.grad), ("dv", vd.grad, vr.grad)):
-        torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m, n=n: f"{where} {n}: {m}")
-    return key
-
-
 def check_round_trips(key, sq, sk, rank):
     """dispatch / undispatch on both sides give back the global tensor and, backward, its gradient."""
     from magi_attn import dispatch, dispatch_kv, undispatch, undispatch_kv
 
     gen = torch.Generator().manual_seed(7)
     for side, n, fwd, back in (("q", sq, dispatch, undispatch), ("kv", sk, dispatch_kv, undispatch_kv)):
-        x, g = _randn(gen, n, 3), _randn(gen, n, 3)
+        x, g = randn64(gen, n, 3), randn64(gen, n, 3)
         xd = x.clone().requires_grad_()
         y = back(fwd(xd, key), key)
         assert torch.equal(y, x), f"rank {rank}: {side} round trip differs"
@@ -109,8 +60,8 @@ def check_batches(group, rank):
     mask[1, 2:] = True  # left padding
     mask[2] = True
     kv_mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]])  # int, as tokenizers give
-    x_q, x_kv = _randn(gen, b, s, HQ, D), _randn(gen, b, t, HK, D)
-    g = _randn(gen, b, s, HQ, D)
+    x_q, x_kv = randn64(gen, b, s, HQ, D), randn64(gen, b, t, HK, D)
+    g = randn64(gen, b, s, HQ, D)
     for cross in (False, True):
         qb = x_q.clone().requires_grad_()
         kvb = (x_kv if cross else x_q[:, :, :HK]).clone().requires_grad_()
@@ -118,10 +69,10 @@ def check_batches(group, rank):
         q, pq = squash_batch(qb, mask)
         kv, pk = squash_batch(kvb, kv_m)
         if cross:
-            key = magi_attn_varlen_cross_key(pq.cu_seqlens, pk.cu_seqlens, HQ, HK, D, group, dist_attn_config=_config())
+            key = magi_attn_varlen_cross_key(pq.cu_seqlens, pk.cu_seqlens, HQ, HK, D, group, dist_attn_config=cross_config())
         else:
             key = magi_attn_varlen_key(pq.cu_seqlens, pq.cu_seqlens, HQ, HK, D, group, causal=True,
-                                       dist_attn_config=_config())
+                                       dist_attn_config=cross_config())
         kvd = dispatch_kv(kv, key)
         out, _ = calc_attn(dispatch(q, key), kvd, kvd, key)
         y = unsquash_batch(undispatch(out, key), pq)
@@ -153,14 +104,14 @@ def cross_worker(rank, world):
     for case in CASES:
         check_cross_case(*case, group, rank)
     # the sharded K/V fetched in 3 overlap stages, and in one kernel call without overlap
-    check_cross_case(*CASES[4], group, rank, _config(degree=3, min_chunk_size=1))
-    check_cross_case(*CASES[2], group, rank, _config(degree=0))
+    check_cross_case(*CASES[4], group, rank, cross_config(degree=3, min_chunk_size=1))
+    check_cross_case(*CASES[2], group, rank, cross_config(degree=0))
     # queries in chunks of 4 over 23 rows: shards of different lengths (no padding) on both sides
     for case in UNEVEN_CASES:
-        check_cross_case(*case, group, rank, _config(degree=2, min_chunk_size=1, chunk_size=4))
+        check_cross_case(*case, group, rank, cross_config(degree=2, min_chunk_size=1, chunk_size=4))
     for placement in ("shard", "replicate"):
         key = magi_attn_cross_key([(0, 24)], [(0, 7)], "full", 24, 7, HQ, HK, D, group, kv_placement=placement,
-                                  dist_attn_config=_config())
+                                  dist_attn_config=cross_config())
         check_round_trips(key, 24, 7, rank)
         pos = get_kv_position_ids(key)  # this rank's K/V rows, no padding rows
         assert key.kv_shard_seqlen == key.runtime.kv_shard_seqlens[rank] == len(pos)
@@ -176,10 +127,10 @@ def check_disagreement(group, rank):
 
     with pytest.raises(PlanMismatchError, match="kv_placement: rank 0: shard, rank 1: replicate"):
         magi_attn_cross_key([(0, 24)], [(0, 7)], "full", 24, 7, HQ, HK, D, group,
-                            kv_placement="shard" if rank == 0 else "replicate", dist_attn_config=_config())
+                            kv_placement="shard" if rank == 0 else "replicate", dist_attn_config=cross_config())
     sk = 24 if rank == 0 else 7
     with pytest.raises(PlanMismatchError, match="total_seqlen_k: rank 0: 24, rank 1: 7"):
-        magi_attn_flex_key([(0, 24)], [(0, sk)], "full", 24, sk, HQ, HK, D, group, _config())
+        magi_attn_flex_key([(0, 24)], [(0, sk)], "full", 24, sk, HQ, HK, D, group, cross_config())
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -238,7 +189,7 @@ def test_cross_errors():
     from magi_attn import (calc_attn, dispatch, dispatch_kv, magi_attn_cross_key, magi_attn_flex_key_for_new_mask,
                            magi_attn_varlen_key_for_new_mask, undispatch_kv)
 
-    key = magi_attn_cross_key([(0, 12)], [(0, 5)], "full", 12, 5, HQ, HK, D, dist_attn_config=_config())
+    key = magi_attn_cross_key([(0, 12)], [(0, 5)], "full", 12, 5, HQ, HK, D, dist_attn_config=cross_config())
     q, kv = torch.randn(12, HQ, D), torch.randn(5, HK, D)
     with pytest.raises(ValueError, match="dispatch_kv"):  # a K/V tensor through the query side
         dispatch(kv, key)

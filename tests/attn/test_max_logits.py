@@ -1,7 +1,7 @@
 """Max logits (Muon QK-clip): per query head, the largest scaled (softcapped) logit over every
 unmasked cell, from flex_flash_attn_func and from calc_attn (across stages and ranks), against
 float64 dense. The Triton kernel's output is checked in tests/scripts/triton_interpret_check.py
-(CPU, Triton interpreter) and tests/test_triton_gpu.py (GPU)."""
+(CPU, Triton interpreter) and tests/kernels/test_triton_gpu.py (GPU)."""
 
 from __future__ import annotations
 

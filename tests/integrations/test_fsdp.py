@@ -32,7 +32,7 @@ def _loss(model, ids, cu, cp_group, cfg):
 def fsdp_worker(rank, world):
     from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
     from magi_integrations.fsdp import build_dp_cp_mesh, shard_model
-    from test_hf import tiny_llama
+    from hf_llama import tiny_llama
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     cfg = DistAttnConfig(DispatchConfig(chunk_size=6), OverlapConfig(degree=2, min_chunk_size=4), kernel_backend="torch")

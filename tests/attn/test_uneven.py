@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dist_cases import HK, HQ, check_case
 from dist_harness import run_distributed
-from test_dist_attn import HK, HQ, check_case
 
 CAUSAL_DOCS = [0, 400, 1050]
 

@@ -1,16 +1,11 @@
-"""Deterministic mode: the GroupReduce of dK/dV sums in a fixed order (magi_comm.add_rows), and
-DistAttnConfig(deterministic=True) still equals float64 dense on gloo ranks. Bitwise
-reproducibility itself shows only on a GPU (the CUDA test below; CPU adds are ordered anyway)."""
+"""Ordered row adds (magi_comm.row_layers / add_rows), which the deterministic GroupReduce of dK/dV
+uses: the layers partition the positions, the sum equals index_add, and on a GPU repeated runs
+are bitwise equal (CPU adds are ordered anyway)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-
-from cases import mask_cases
-from dist_harness import run_distributed
-from test_dist_attn import CONFIGS, check_case
 
 
 def _rows(n: int, out_rows: int, seed: int) -> torch.Tensor:
@@ -63,25 +58,3 @@ def test_ordered_add_is_bitwise_reproducible_on_gpu():
     assert all(torch.equal(outs[0], o) for o in outs[1:]), "ordered adds differ between runs"
     ref = torch.zeros(512, 8, 128, dtype=torch.float64, device="cuda").index_add_(0, rows_d, src.double())
     torch.testing.assert_close(outs[0].double(), ref, atol=1e-3, rtol=1e-5)
-
-
-DETERMINISTIC = {
-    "deterministic_a2a": dict(overlap=dict(degree=3, min_chunk_size=4), comm=dict(deterministic=True)),
-    "deterministic_hier": dict(overlap=dict(degree=2, min_chunk_size=4),
-                               comm=dict(comm_backend="hier", ranks_per_node=2, deterministic=True)),
-}
-
-
-def _worker(rank, world):
-    CONFIGS.update(DETERMINISTIC)  # check_case looks its config up by name
-    cases = mask_cases()
-    for cfg in DETERMINISTIC:
-        if "hier" in cfg and world % 2:
-            continue  # 2 ranks a node: whole nodes only (3 ranks run the a2a config)
-        for name in ("varlen_block_causal", "mixed_overlapping"):
-            check_case(name, *cases[name], cfg, dist.group.WORLD, rank)
-
-
-@pytest.mark.parametrize("world", [3, 4])
-def test_deterministic_mode_matches_dense(world):
-    run_distributed(_worker, world)

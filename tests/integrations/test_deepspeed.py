@@ -21,7 +21,7 @@ def ds_worker(rank, world):
     from magi_attn import DispatchConfig, DistAttnConfig, OverlapConfig
     from magi_integrations.deepspeed_cp import init_engine
     from magi_integrations.hf import attention_config, gather_logits, prepare_cp_batch
-    from test_hf import CU, labels_of, loss_of, reference, tiny_llama
+    from hf_llama import CU, labels_of, loss_of, reference, tiny_llama
 
     # DeepSpeed reduces fp16/bf16/fp32 gradients only: fp32 here, tolerance for fp32 summation order
     ref_model, ids, ref_logits = reference(torch.float32)

@@ -12,7 +12,7 @@ import pytest
 
 def bench_module(name: str):
     """A script of ``bench/`` imported as a module (the folder is not a package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.join(root, "bench"))
     try:
         return importlib.import_module(name)
@@ -22,7 +22,7 @@ def bench_module(name: str):
 
 @pytest.mark.parametrize("comm", ["a2a", "hier"])
 def test_bench_dist_smoke(tmp_path, comm):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "d.json"
     # hier with one rank per node: two "nodes", every remote KV row crosses between them
     subprocess.run([sys.executable, os.path.join(root, "bench", "bench_dist.py"), "--cp", "2", "--tokens-per-rank", "128",
@@ -115,7 +115,7 @@ def test_gpu_clocks_reads_the_clock_inside_each_timing_window(tmp_path):
     data["rows"][0].pop("sm_mhz")
     bench_json.write_text(json.dumps(data))
     sweep_jsonl.write_text("".join(json.dumps(r) + "\n" for r in sweep))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, os.path.join(root, "bench", "gpu_clocks.py"), str(log), "--bench",
                           str(bench_json), "--sweep", str(sweep_jsonl)], capture_output=True, text=True, check=True)
     assert "under load" in res.stdout

@@ -10,7 +10,7 @@ import torch
 from magi_kernels import KernelConfig, TritonTiles, default_kernel_config, flex_flash_attn_func
 from magi_kernels.kernel_config import ENV_VARS, REMOVED_SWITCHES, TUNED_TRITON_DKDV, TUNED_TRITON_FWD_TMA
 
-KERNEL_SRC = pathlib.Path(__file__).parents[1] / "packages" / "magi-kernels" / "src" / "magi_kernels"
+KERNEL_SRC = pathlib.Path(__file__).parents[2] / "packages" / "magi-kernels" / "src" / "magi_kernels"
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_other_packages_use_only_magi_kernels_public_api():
 
     import magi_kernels
 
-    root = pathlib.Path(__file__).parents[1]
+    root = pathlib.Path(__file__).parents[2]
     sources = [*root.glob("packages/magi-attn/src/**/*.py"), *root.glob("packages/magi-comm/src/**/*.py"),
                *root.glob("integrations/src/**/*.py")]
     bad = []

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def _load_kernel_regs():
-    path = pathlib.Path(__file__).parents[1] / "bench" / "kernel_regs.py"
+    path = pathlib.Path(__file__).parents[2] / "bench" / "kernel_regs.py"
     spec = importlib.util.spec_from_file_location("kernel_regs", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

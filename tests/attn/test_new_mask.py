@@ -11,8 +11,8 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from dist_cases import HK, HQ, TOL, D, check_case
 from dist_harness import run_distributed
-from test_dist_attn import HK, HQ, TOL, D, check_case
 
 CU = [0, 13, 40, 41, 77, 101]
 S = CU[-1]

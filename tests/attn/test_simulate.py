@@ -184,7 +184,7 @@ def test_calibration_script_smoke(tmp_path):
     import os
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.join(root, "bench"))
     try:
         calibrate = importlib.import_module("calibrate_sim")

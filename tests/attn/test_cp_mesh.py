@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from dist_cases import HK, HQ, check_case, check_cross_case
 from dist_harness import run_distributed
-from test_cross import check_cross_case
-from test_dist_attn import HK, HQ, check_case
 
 CU = [0, 13, 40, 41, 77]
 

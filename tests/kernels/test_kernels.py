@@ -440,7 +440,7 @@ def test_removed_kernel_switches_warn_and_are_read_nowhere():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_removed_switches({"MAGI_GLUON_BWD_PIECES": "0", "MAGI_GLUON_FWD_ORDER": ""}) == []
-    root = pathlib.Path(__file__).parents[1] / "packages"
+    root = pathlib.Path(__file__).parents[2] / "packages"
     readers = {(path.name, var) for path in root.glob("*/src/**/*.py") if path.name != "kernel_config.py"
                for var in REMOVED_SWITCHES if f'"{var}"' in path.read_text()}
     assert not readers, f"removed switches still read: {sorted(readers)}"

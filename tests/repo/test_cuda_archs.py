@@ -12,7 +12,7 @@ import torch
 from magi_comm import ipc, native
 from magi_comm.native import arch_covers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # the default list: sm_80 code + PTX, sm_90a code, sm_100 code + PTX
 DEFAULT = ("80", "90a-real", "100")

@@ -117,7 +117,7 @@ def test_ipc_backend_reports_why_it_cannot_run():
 
     ok, why = ipc_supported()
     if torch.cuda.is_available() and ok:
-        pytest.skip("CUDA present: covered by tests/test_ipc_gpu.py")
+        pytest.skip("CUDA present: covered by tests/comm/test_ipc_gpu.py")
     assert not ok and why
     with pytest.raises(RuntimeError, match="CUDA IPC group collectives are unavailable"):
         IpcArena(None, 1024, torch.device("cpu"))
