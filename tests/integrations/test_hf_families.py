@@ -183,3 +183,15 @@ def test_refuses_cross_attention():
     model.set_attn_implementation("magi")
     with pytest.raises(NotImplementedError, match="cross-attention"):
         model(input_ids=torch.randint(3, 64, (1, 10)), decoder_input_ids=torch.randint(3, 64, (1, 6)), use_cache=False)
+    # equal lengths would pass the length check: the layer itself is recognised as cross-attention
+    with pytest.raises(NotImplementedError, match="T5GemmaCrossAttention is cross-attention"):
+        model(input_ids=torch.randint(3, 64, (1, 8)), decoder_input_ids=torch.randint(3, 64, (1, 8)), use_cache=False)
+    bart = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                                   decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    bart._attn_implementation = "magi"
+    bart_model = transformers.BartForConditionalGeneration(bart).to(torch.float64)
+    bart_model.set_attn_implementation("magi")
+    with pytest.raises(NotImplementedError, match="BartAttention is cross-attention"):
+        bart_model(input_ids=torch.randint(3, 64, (1, 8)), decoder_input_ids=torch.randint(3, 64, (1, 8)),
+                   use_cache=False)

@@ -211,7 +211,23 @@ def _check_hf_packing(hf: HFPackedSequences, docs: tuple[tuple[int, int, int], .
             "(return_flash_attn_kwargs=True)) so the magi backend packs the documents")
 
 
+def _is_cross_attention(module: Any) -> bool:
+    """Whether a layer attends from one sequence to another (an encoder-decoder's or a
+    vision-language model's cross-attention), by the marks HF's attention modules carry: a
+    ``*CrossAttention`` class (T5Gemma, Mllama, ...), ``is_cross_attention`` (GPT-2, BERT), or a
+    non-causal layer of a decoder (BART, Whisper, Marian: ``encoder_attn``)."""
+    if "CrossAttention" in type(module).__name__ or getattr(module, "is_cross_attention", False):
+        return True
+    return bool(getattr(module, "is_decoder", False)) and getattr(module, "is_causal", True) is False
+
+
 def _check_call_features(module: Any, dropout: float, kwargs: dict) -> None:
+    if _is_cross_attention(module):
+        raise NotImplementedError(
+            f"{type(module).__name__} is cross-attention (queries from one sequence, keys from another, e.g. an "
+            "encoder-decoder's decoder attending to the encoder): the magi Hugging Face backend runs self-attention "
+            "only, and would pair each query with the key at its own position and padding; use another "
+            "attn_implementation for this model (magi_attn_cross_key runs cross-attention directly)")
     if dropout:
         raise ValueError("the magi attention backend has no attention dropout; set attention_dropout=0.0 "
                          "(or call model.eval())")
