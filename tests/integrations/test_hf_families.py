@@ -158,7 +158,11 @@ def test_refuses_what_it_cannot_honour():
     model = build("llama", "magi")
     cache = model(input_ids=torch.randint(1, 64, (1, 8)), use_cache=True).past_key_values  # prefill is fine
     with pytest.raises(NotImplementedError, match="without a KV cache"):  # decoding is not
-        model(input_ids=torch.randint(1, 64, (1, 1)), past_key_values=cache, use_cache=True)
+        # transformers >= 5.2x names the argument `cache` (`past_key_values` is deprecated there)
+        import inspect
+
+        arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        model(input_ids=torch.randint(1, 64, (1, 1)), use_cache=True, **{arg: cache})
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[0, 3] = 0
     with pytest.raises(ValueError, match="padding between its tokens"):
