@@ -55,3 +55,24 @@ def test_roll_single_rank_and_errors():
         roll(x[:5], 1, key)
     with pytest.raises(TypeError, match="roll: key must be a DistAttnKey"):
         roll(x, 1, None)
+
+
+def _check_cross(rank: int, world: int) -> None:
+    """roll on the query side of a cross-attention key (labels of the query sequence)."""
+    from magi_attn import DispatchConfig, DistAttnConfig, dispatch, magi_attn_cross_key, roll
+
+    cfg = DistAttnConfig(dispatch=DispatchConfig(chunk_size=4))
+    key = magi_attn_cross_key([[0, 40], [40, 77]], [[0, 9], [9, 20]], "full", 77, 20, 2, 1, 8,
+                              dist.group.WORLD if world > 1 else None, dist_attn_config=cfg)
+    x = torch.randn(CU[-1], 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for shifts in (1, -3, 40):
+        assert torch.equal(roll(dispatch(x, key), shifts, key), dispatch(torch.roll(x, shifts, dims=0), key)), \
+            (rank, shifts)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_roll_on_the_query_side_of_a_cross_key(world):
+    if world == 1:
+        _check_cross(0, 1)
+    else:
+        run_distributed(_check_cross, world)
