@@ -199,3 +199,32 @@ def test_refuses_cross_attention():
     with pytest.raises(NotImplementedError, match="BartAttention is cross-attention"):
         bart_model(input_ids=torch.randint(3, 64, (1, 8)), decoder_input_ids=torch.randint(3, 64, (1, 8)),
                    use_cache=False)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral", "modernbert"])
+def test_record_max_logits_matches_eager_scores(name):
+    """record_max_logits: per layer and query head, the largest scaled (softcapped) logit that
+    the eager path feeds its softmax (masked cells there are -inf or the dtype's minimum)."""
+    from magi_integrations.hf import record_max_logits
+
+    ids = torch.randint(1, 64, (1, S), generator=torch.Generator().manual_seed(5))
+    seen: list[torch.Tensor] = []
+    real = torch.nn.functional.softmax
+
+    def softmax(x, dim=None, _stacklevel=3, dtype=None):
+        if x.dim() == 4:  # [b, hq, q, k]: attention scores plus the additive mask
+            seen.append(x.detach().amax(dim=(0, 2, 3)))
+        return real(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
+
+    torch.nn.functional.softmax = softmax
+    try:
+        build(name, "eager")(input_ids=ids, use_cache=False)
+    finally:
+        torch.nn.functional.softmax = real
+    model = build(name, "magi")
+    with record_max_logits() as rec:
+        model(input_ids=ids, use_cache=False)
+    got = list(rec.named(model).values())
+    assert len(got) == len(seen) == model.config.num_hidden_layers
+    for layer, (g, ref) in enumerate(zip(got, seen)):
+        torch.testing.assert_close(g.double(), ref, atol=1e-5, rtol=1e-6, msg=lambda m, i=layer: f"layer {i}: {m}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
+import contextvars
 import functools
 import logging
 from dataclasses import dataclass
@@ -278,10 +280,52 @@ def magi_attention_forward(
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (query, key, value))  # [b*s, h, d]
     if rows is not None:
         q, k, v = (t.index_select(0, rows) for t in (q, k, v))
-    out, _ = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink)
+    recorder = _MAX_LOGITS.get()
+    if recorder is None:
+        out, _ = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink)
+    else:
+        out, _, max_logits = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink,
+                                       return_max_logits=True)
+        recorder.add(module, max_logits)
     if rows is not None:  # padding rows come back as zeros, in the caller's layout
         out = out.new_zeros((b * s, *out.shape[1:])).index_copy(0, rows, out)
     return out.reshape(b, s, hq, out.shape[-1]), None
+
+
+class MaxLogits:
+    """Per attention module, the largest scaled (softcapped) logit of each query head in the
+    forward passes run inside :func:`record_max_logits` (the max over those calls), fp32 ``[hq]``;
+    under context parallelism the max over every rank's rows, the same on every rank. For Muon
+    QK-clip: after the forward, scale each layer's W_q/W_k rows of the heads above the threshold."""
+
+    def __init__(self) -> None:
+        self.by_module: dict[torch.nn.Module, torch.Tensor] = {}
+
+    def add(self, module: torch.nn.Module, max_logits: torch.Tensor) -> None:
+        old = self.by_module.get(module)
+        self.by_module[module] = max_logits if old is None else torch.maximum(old, max_logits)
+
+    def named(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The recorded values by module name within ``model``."""
+        names = {m: n for n, m in model.named_modules()}
+        return {names[m]: v for m, v in self.by_module.items() if m in names}
+
+
+_MAX_LOGITS: contextvars.ContextVar[MaxLogits | None] = contextvars.ContextVar("magi_max_logits", default=None)
+
+
+@contextlib.contextmanager
+def record_max_logits():
+    """``with record_max_logits() as rec: loss = model(...).loss`` records, for every layer that
+    runs on the magi backend, each query head's largest scaled logit (:class:`MaxLogits`). Costs
+    what ``calc_attn(return_max_logits=True)`` costs (one all-gather of ``hq`` floats per layer
+    under CP; the Triton forward instead of the Gluon one on sm90 at head dim 128)."""
+    rec = MaxLogits()
+    token = _MAX_LOGITS.set(rec)
+    try:
+        yield rec
+    finally:
+        _MAX_LOGITS.reset(token)
 
 
 @functools.lru_cache(maxsize=64)
