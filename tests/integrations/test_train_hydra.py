@@ -49,6 +49,12 @@ def test_validation_errors(overrides, match):
         resolve(_compose(*overrides))
 
 
+def test_deterministic_takes_a_bool():
+    with pytest.raises(Exception, match="cp.deterministic=maybe"):  # OmegaConf's own type check names it
+        _compose("cp.deterministic=maybe")
+    assert resolve(_compose("cp.deterministic=true")).cp.deterministic is True
+
+
 def test_unknown_key_is_rejected():
     with pytest.raises(Exception, match="nope"):
         _compose("model.nope=1")
@@ -66,7 +72,7 @@ def test_cp_training_matches_single_process_and_learns():
     # packed short documents can land whole on one rank (no remote KV at all); a causal mask
     # makes every rank fetch KV: through all_to_all and the two-hop path (2 ranks = 2 "nodes")
     single_c = run(_compose("parallel=single", "cp=none", *common, "mask.name=causal"))
-    for extra in ([], ["cp.comm_backend=hier", "cp.ranks_per_node=1"]):
+    for extra in ([], ["cp.comm_backend=hier", "cp.ranks_per_node=1"], ["cp.deterministic=true"]):
         other = run(_compose("parallel.cp=2", *common, "mask.name=causal", *extra))
         for a, b in zip(single_c["losses"], other["losses"]):
             assert abs(a - b) < 1e-9, (extra, single_c["losses"], other["losses"])

@@ -83,6 +83,7 @@ class CPConfig:
     comm_backend: str = "a2a"  # a2a | ipc | hier (node-aware two hops, see ranks_per_node)
     ranks_per_node: Optional[int] = None
     comm_timeout_s: float = 300.0  # a rank whose peer fails raises after this (DistAttnConfig.comm_timeout_s)
+    deterministic: bool = False  # bitwise-reproducible attention on GPU (DistAttnConfig.deterministic)
 
     def __post_init__(self) -> None:
         from magi_attn import COMM_BACKENDS
@@ -102,6 +103,8 @@ class CPConfig:
             raise ValueError(f"cp.comm_backend must be one of {COMM_BACKENDS}, got {self.comm_backend!r}")
         if self.ranks_per_node is not None:
             _positive(self, "ranks_per_node")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"cp.deterministic must be true or false, got {self.deterministic!r}")
 
 
 @dataclass

@@ -118,7 +118,8 @@ def _worker(env: WorkerEnv, cfg: TrainConfig, log_dir: str | None) -> dict[str, 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     acfg = DistAttnConfig(DispatchConfig(chunk_size=cfg.cp.chunk_size), OverlapConfig(degree=cfg.cp.overlap_degree),
                           kernel_backend=cfg.cp.kernel_backend, comm_backend=cfg.cp.comm_backend,
-                          ranks_per_node=cfg.cp.ranks_per_node, comm_timeout_s=cfg.cp.comm_timeout_s)
+                          ranks_per_node=cfg.cp.ranks_per_node, comm_timeout_s=cfg.cp.comm_timeout_s,
+                          deterministic=cfg.cp.deterministic)
     losses, times = [], []
     for step in tqdm(range(cfg.steps), desc="train", disable=not env.is_main, file=sys.stderr):
         ids, cu = synthetic_documents(cfg.mask.seqlen, cfg.model.vocab_size, cfg.mask.name,
