@@ -19,6 +19,8 @@ from magi_kernels import (
     check_sink,
     clear_caches,
     common_head_dim,
+    max_logits_of,
+    new_row_max,
     on_device,
     pad_head_dim,
     resolve_backend,
@@ -536,7 +538,7 @@ def calc_attn(
     _check_call(rt, q, scale, cap, backend, needs_grad, v.shape[-1], None if sink is None else tuple(sink.shape),
                 return_max_logits)
     dv, d = v.shape[-1], common_head_dim(q, v)
-    row_max = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device) if return_max_logits else None
+    row_max = new_row_max(q) if return_max_logits else None
     out, lse = DistAttnFunction.apply(*(pad_head_dim(t, d) for t in (q, k, v)), rt, scale, cap, backend, row_max)
     if dv != d:
         out = out[..., :dv]
@@ -550,7 +552,7 @@ def calc_attn(
 def _global_max_logits(row_max: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
     """Per head, the max over this rank's rows, then over the group's ranks (an all-gather of
     ``hq`` floats: gloo and NCCL both take it, and it fails with magi's timeout)."""
-    local = row_max.amax(dim=0) if row_max.shape[0] else row_max.new_full(row_max.shape[1:], float("-inf"))
+    local = max_logits_of(row_max)
     if rt.group is None or rt.plan.cp_size == 1:
         return local
     return all_gather_rows(local[None], rt.group, rt.config.comm_timeout_s, "max-logits all-gather").amax(dim=0)

@@ -62,3 +62,17 @@ def common_head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
 def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``t [..., d]`` zero-padded to ``head_dim`` columns (``t`` itself when it has them)."""
     return t if t.shape[-1] == head_dim else F.pad(t, (0, head_dim - t.shape[-1]))
+
+
+def new_row_max(q: torch.Tensor) -> torch.Tensor:
+    """The buffer the forward calls max-merge each row's largest scaled logit into (their
+    ``row_max`` argument): fp32 ``[rows, heads_q]`` of -inf, for ``q [rows, heads_q, d]``."""
+    return torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def max_logits_of(row_max: torch.Tensor) -> torch.Tensor:
+    """Per query head, the max over the rows of a :func:`new_row_max` buffer (``[heads_q]``;
+    -inf for a head without a logit, also when there are no rows)."""
+    if row_max.shape[0] == 0:
+        return row_max.new_full(row_max.shape[1:], float("-inf"))
+    return row_max.amax(dim=0)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import reference
-from .head_features import apply_sink, check_sink, common_head_dim, pad_head_dim
+from .head_features import apply_sink, check_sink, common_head_dim, max_logits_of, new_row_max, pad_head_dim
 from .kernel_config import KernelConfig, config_json, resolve_kernel_config
 from .lse import merge_out_lse
 from .plan import AttentionPlan, call_plan
@@ -180,10 +180,6 @@ def _no_max_logits_under_compile(row_max: torch.Tensor | None) -> None:
         raise NotImplementedError("return_max_logits=True is not supported inside torch.compile yet (the kernel op "
                                   "has no max-logits output); call it eagerly (torch.compiler.disable) or drop it")
 
-
-def new_row_max(q: torch.Tensor) -> torch.Tensor:
-    """An fp32 ``[tq, hq]`` buffer of -inf for the ``row_max`` argument of the forward calls."""
-    return torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def run_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map, softmax_scale: float,
@@ -357,5 +353,5 @@ def flex_flash_attn_func(
     if sink is not None:
         o, lse_new = apply_sink(o, lse_new, sink)
     if row_max is not None:
-        return o, lse_new, row_max.amax(dim=0) if row_max.shape[0] else row_max.new_full(row_max.shape[1:], float("-inf"))
+        return o, lse_new, max_logits_of(row_max)
     return o, lse_new
