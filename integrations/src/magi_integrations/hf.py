@@ -281,12 +281,10 @@ def magi_attention_forward(
     if rows is not None:
         q, k, v = (t.index_select(0, rows) for t in (q, k, v))
     recorder = _MAX_LOGITS.get()
-    if recorder is None:
-        out, _ = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink)
-    else:
-        out, _, max_logits = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink,
-                                       return_max_logits=True)
-        recorder.add(module, max_logits)
+    out, *rest = calc_attn(q, k, v, key_for_layer, softmax_scale=scaling, softcap=softcap, sink=sink,
+                           return_max_logits=recorder is not None)
+    if recorder is not None:
+        recorder.add(module, rest[1])
     if rows is not None:  # padding rows come back as zeros, in the caller's layout
         out = out.new_zeros((b * s, *out.shape[1:])).index_copy(0, rows, out)
     return out.reshape(b, s, hq, out.shape[-1]), None
