@@ -204,13 +204,13 @@ class HierarchicalCollectives:
         def finish():
             wait_works(works, self.intra, timeout_s, "GroupReduce (intra-node hop)")
             # positions in cat(output, proxy buffer), split once per plan into own rows and proxy rows
-            own, own_rows, proxy_rows = per_tensor(plan.intra.send_rows, f"own rows {n_out}",
-                                                   lambda: _split_own(plan.intra.send_rows, n_out))
-            own_d = on_device(own, output.device)
-            reduce_into(output, output_lse, own_rows, [b[own_d] for b in bufs])
+            own_pos, own_rows, proxy_pos, proxy_rows = per_tensor(
+                plan.intra.send_rows, f"own rows {n_out}", lambda: _split_own(plan.intra.send_rows, n_out))
+            own_d, proxy_d = on_device(own_pos, output.device), on_device(proxy_pos, output.device)
+            reduce_into(output, output_lse, own_rows, [b.index_select(0, own_d) for b in bufs])
             tmp = output.new_zeros((n1, *output.shape[1:]))
             tmp_lse = output_lse.new_full((n1, *output_lse.shape[1:]), float("-inf")) if op == "lse" else None
-            reduce_into(tmp, tmp_lse, proxy_rows, [b[~own_d] for b in bufs])
+            reduce_into(tmp, tmp_lse, proxy_rows, [b.index_select(0, proxy_d) for b in bufs])
             back, works2 = self._hop([tmp] if op == "sum" else [tmp, tmp_lse], plan.inter.transposed(), inter=True)
             wait_works(works2, self.inter, timeout_s, "GroupReduce (inter-node hop)")
             reduce_into(output, output_lse, plan.inter.send_rows, back)
@@ -220,7 +220,9 @@ class HierarchicalCollectives:
         return pending if async_op else pending.wait()
 
 
-def _split_own(rows: torch.Tensor, n_out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mask of the rows below ``n_out``, those rows, the others minus ``n_out``) of host ``rows``."""
+def _split_own(rows: torch.Tensor, n_out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions of the host ``rows`` below ``n_out``, those rows, positions of the others, those
+    rows minus ``n_out``): index tensors, so the device gathers without a boolean mask's sync."""
     own = rows < n_out
-    return own, rows[own], rows[~own] - n_out
+    own_pos, proxy_pos = torch.nonzero(own).flatten(), torch.nonzero(~own).flatten()
+    return own_pos, rows[own_pos], proxy_pos, rows[proxy_pos] - n_out
