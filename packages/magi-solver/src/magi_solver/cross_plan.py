@@ -89,10 +89,7 @@ class CrossAttnPlan(DistAttnPlan):
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         if validate:
             validate_slices(slices, total_seqlen_q, total_seqlen_k)
-        self.slices = tuple(slices)
-        self.cp_size = cp_size
-        self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
-        self.overlap_config = overlap_config
+        self._set_sizes(slices, cp_size, num_heads_q, num_heads_kv, head_dim, overlap_config)
         self.total_seqlen_k = total_seqlen_k
         self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen_q, cp_size, dispatch_config or DispatchConfig())
         if kv_placement == "auto":

@@ -86,10 +86,7 @@ class DistAttnPlan:
         """
         if validate:
             validate_slices(slices, total_seqlen, total_seqlen)
-        self.slices = tuple(slices)
-        self.cp_size = cp_size
-        self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
-        self.overlap_config = overlap_config
+        self._set_sizes(slices, cp_size, num_heads_q, num_heads_kv, head_dim, overlap_config)
         if dispatch is None:
             config = dispatch_config or DispatchConfig()
             self.dispatch: DispatchPlan = solve_dispatch(slices, total_seqlen, cp_size, config)
@@ -98,6 +95,14 @@ class DistAttnPlan:
             self.dispatch = dispatch.for_slices(slices)
         # self-attention: K/V rows sit where their query rows do (CrossAttnPlan places them apart)
         self._plan_kv(self.dispatch, [self.dispatch.rank_ranges(r) for r in range(cp_size)])
+
+    def _set_sizes(self, slices: Sequence[AttnSlice], cp_size: int, num_heads_q: int, num_heads_kv: int,
+                   head_dim: int, overlap_config: OverlapConfig) -> None:
+        """The mask, rank count, head sizes and overlap settings (shared with CrossAttnPlan)."""
+        self.slices = tuple(slices)
+        self.cp_size = cp_size
+        self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
+        self.overlap_config = overlap_config
 
     def _plan_kv(self, kv_dispatch: DispatchPlan, host_ranges: list[AttnRanges]) -> None:
         """Plan the K/V side: ``kv_dispatch`` places the K/V rows (chunk size, owners, shard
