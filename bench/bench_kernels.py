@@ -1,4 +1,5 @@
-"""Kernel benchmark on one GPU: magi (triton) vs FlexAttention (compiled) vs cuDNN SDPA, same process.
+"""Kernel benchmark on one GPU: magi vs FlexAttention (compiled), cuDNN SDPA and FlashAttention-4
+(its own API, and through FlexAttention's FLASH backend: see bench/fa4_peer.py), same process.
 
 TFLOP/s count only the unmasked area: fwd = 4 * area * hq * d, bwd = 2.5 * fwd.
 Usage: python bench/bench_kernels.py --seqlens 8192 16384 32768 --out results.json [--plot plot.png]
@@ -20,7 +21,11 @@ from magi_attn import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import KernelConfig, clear_caches, default_kernel_config, flex_flash_attn_func, plan_attention
 
+from fa4_peer import NATIVE_MASKS as FA4_NATIVE_MASKS, fa4_missing, fa4_native, fa4_through_flex
+
 MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal"]
+PEERS = ("flex", "cudnn", "fa4", "fa4flex")
+IMPLS = ("magi",) + PEERS
 
 
 def row_intervals(slices, S, device):
@@ -129,7 +134,8 @@ def run(args, on_row=lambda rows: None):
 
             qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
             gf = g.transpose(0, 1).unsqueeze(0)
-            if not args.no_peers:
+            bm = None
+            if not args.no_peers and {"flex", "fa4flex"} & set(args.peers):
                 try:
                     # each row's mask is a new function to Dynamo: without a reset the ninth row passes
                     # its recompile limit and Flex silently runs unfused (OOM at 32k)
@@ -146,17 +152,31 @@ def run(args, on_row=lambda rows: None):
                     def fx():
                         return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
 
-                    of = fx()
-                    fns["flex_fwd"] = fx
-                    fns["flex_bwd"] = lambda: torch.autograd.grad(of, (qf, kf, vf), gf, retain_graph=True)
-                    res["flex_vs_magi_maxerr"] = (of[0].transpose(0, 1).float() - o.float()).abs().max().item()
-                    # the backward too: the largest dQ/dK/dV difference (bf16 both sides: 0.001-0.06 on an H100)
-                    res["flex_vs_magi_grad_maxerr"] = max(
-                        (a[0].transpose(0, 1).float() - b.float()).abs().max().item()
-                        for a, b in zip(fns["flex_bwd"](), fns["magi_bwd"]()))
+                    if "flex" in args.peers:
+                        add_peer(fns, res, "flex", fx, (qf, kf, vf), gf, o, heads_first=True)
                 except Exception as e:  # noqa: BLE001 - report and continue
                     res["flex_error"] = repr(e)[:200]
                     fns.pop("flex_fwd", None), fns.pop("flex_bwd", None)
+            if not args.no_peers and {"fa4", "fa4flex"} & set(args.peers):
+                if (why := fa4_missing()) is not None:
+                    res["fa4_error"] = why
+                if why is None and "fa4" in args.peers and mask in FA4_NATIVE_MASKS:
+                    qa, ka, va = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                    try:
+                        add_peer(fns, res, "fa4", fa4_native(mask, slices, qa, ka, va, args.window), (qa, ka, va),
+                                 g, o)
+                    except Exception as e:  # noqa: BLE001
+                        res["fa4_error"] = repr(e)[:300]
+                        fns.pop("fa4_fwd", None), fns.pop("fa4_bwd", None)
+                if why is None and "fa4flex" in args.peers and (bm is not None or mask == "full"):
+                    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (qf, kf, vf))
+                    try:
+                        add_peer(fns, res, "fa4flex", fa4_through_flex(flex, qb, kb, vb, bm), (qb, kb, vb), gf, o,
+                                 heads_first=True)
+                    except Exception as e:  # noqa: BLE001
+                        res["fa4flex_error"] = repr(e)[:300]
+                        fns.pop("fa4flex_fwd", None), fns.pop("fa4flex_bwd", None)
+            if not args.no_peers and "cudnn" in args.peers:
                 if mask in ("full", "causal"):
                     kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
                     try:
@@ -184,6 +204,21 @@ def run(args, on_row=lambda rows: None):
             del q, k, v, g, qf, kf, vf, fns
             torch.cuda.empty_cache()
     return rows
+
+
+def add_peer(fns: dict, res: dict, name: str, fwd, inputs: tuple, grad_out, magi_out, heads_first: bool = False):
+    """Run a peer's forward and backward once, check both against magi's (bf16 both sides: the
+    largest differences were 0.001-0.06 on an H100) and add ``{name}_fwd`` / ``{name}_bwd`` to ``fns``.
+    ``heads_first``: the peer works on ``[1, h, S, d]`` tensors rather than ``[S, h, d]``."""
+    def as_shd(t):
+        return t[0].transpose(0, 1) if heads_first else t
+
+    out = fwd()
+    fns[f"{name}_fwd"] = fwd
+    fns[f"{name}_bwd"] = lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+    res[f"{name}_vs_magi_maxerr"] = (as_shd(out).float() - magi_out.float()).abs().max().item()
+    res[f"{name}_vs_magi_grad_maxerr"] = max((as_shd(a).float() - b.float()).abs().max().item()
+                                             for a, b in zip(fns[f"{name}_bwd"](), fns["magi_bwd"]()))
 
 
 def metadata_ms(q, k, v, qr, kr, tm) -> dict[str, float]:
@@ -231,16 +266,18 @@ def plot(rows, path, title):
     for j, S in enumerate(seqlens):
         for i, pas in enumerate(("fwd", "bwd")):
             ax = axes[i][j]
-            for o, impl in enumerate(("magi", "flex", "cudnn")):
+            impls = [i for i in IMPLS if any(r.get(f"{i}_{pas}_tflops") for r in rows)]
+            width = 0.8 / len(impls)
+            for o, impl in enumerate(impls):
                 vals = [next((r.get(f"{impl}_{pas}_tflops", 0) for r in rows if r["seqlen"] == S and r["mask"] == m), 0)
                         for m in masks]
-                ax.bar([x + 0.27 * (o - 1) for x in range(len(masks))], vals, 0.27, label=impl)
+                ax.bar([x + width * (o - (len(impls) - 1) / 2) for x in range(len(masks))], vals, width, label=impl)
             ax.set_xticks(range(len(masks)))
             ax.set_xticklabels(masks, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{pas}, {S // 1024}k tokens")
             ax.set_ylabel("TFLOP/s (unmasked area)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", ncol=3, fontsize=9)  # one legend: none covers a bar
+    fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=9)  # one legend: none covers a bar
     fig.suptitle(title, fontsize=10, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
@@ -258,6 +295,8 @@ def main():
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--plot", default=None)
     p.add_argument("--no-peers", action="store_true", help="only time magi (tuning runs)")
+    p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS,
+                   help="peers to time beside magi (fa4, fa4flex: when flash-attn-4 imports)")
     p.add_argument("--no-triton-ab", dest="triton_ab", action="store_false",
                    help="skip timing the Triton kernels beside the Gluon ones (a shorter run)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (median)")
@@ -301,7 +340,7 @@ def merge_results(paths: list[str]) -> tuple[dict, list[dict]]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """TFLOP/s of magi and the peers per (seqlen, mask) with the ratios the targets are stated in."""
+    """TFLOP/s of magi and every peer present per (seqlen, mask), and magi's ratio to each."""
     def val(r, key):
         x = r.get(key)
         return f"{x:.0f}" if x else "-"
@@ -309,13 +348,16 @@ def markdown_table(rows: list[dict]) -> str:
     def ratio(r, a, b):
         return f"{r[a] / r[b]:.2f}" if r.get(a) and r.get(b) else "-"
 
-    lines = ["| seqlen | mask | magi fwd | flex fwd | cudnn fwd | /flex | /cudnn | magi bwd | flex bwd | cudnn bwd"
-             " | /flex | /cudnn |", "|" + "---|" * 12]
+    peers = [i for i in IMPLS[1:] if any(r.get(f"{i}_fwd_tflops") or r.get(f"{i}_bwd_tflops") for r in rows)]
+    head = ["seqlen", "mask"]
+    for p in ("fwd", "bwd"):
+        head += [f"magi {p}"] + [f"{i} {p}" for i in peers] + [f"/{i}" for i in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"{r['seqlen'] // 1024}k", r["mask"]]
         for p in ("fwd", "bwd"):
-            cells += [val(r, f"{i}_{p}_tflops") for i in ("magi", "flex", "cudnn")]
-            cells += [ratio(r, f"magi_{p}_tflops", f"flex_{p}_tflops"), ratio(r, f"magi_{p}_tflops", f"cudnn_{p}_tflops")]
+            cells += [val(r, f"{i}_{p}_tflops") for i in ["magi"] + peers]
+            cells += [ratio(r, f"magi_{p}_tflops", f"{i}_{p}_tflops") for i in peers]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -43,5 +43,8 @@ def run_distributed(fn, world: int, *args, timeout: float = 600.0) -> None:
     while not errors.empty():
         msgs.append(errors.get())
     if msgs:
-        rank, tb = sorted(msgs)[0]
-        raise AssertionError(f"rank {rank} failed ({len(msgs)} rank(s) failed):\n{tb}")
+        # every rank's traceback: the first rank's error is often only "peer closed", a
+        # consequence of another rank's failure
+        msgs.sort()
+        detail = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in msgs)
+        raise AssertionError(f"rank {msgs[0][0]} failed ({len(msgs)} rank(s) failed):\n{detail}")

@@ -358,6 +358,15 @@ class TestInputErrors:
         with pytest.raises(TypeError, match="attn_type_map must be an integer tensor"):
             self.call(tm=torch.tensor([1.0]))
 
+    def test_solver_ranges_and_mask_types_are_accepted(self):
+        """Lists of magi_solver.AttnRange / AttnMaskType mean the same as int pairs and codes."""
+        from magi_solver import AttnMaskType, AttnRange
+
+        o_obj, _ = self.call(qr=[AttnRange(0, 4), AttnRange(4, 8)], kr=[AttnRange(0, 4), AttnRange(0, 8)],
+                             tm=[AttnMaskType.CAUSAL, AttnMaskType.FULL])
+        o_int, _ = self.call(qr=[(0, 4), (4, 8)], kr=[(0, 4), (0, 8)], tm=[1, 0])
+        assert torch.equal(o_obj, o_int)
+
     def test_ranges_on_meta_device(self):
         with pytest.raises(ValueError, match="q_ranges is on the meta device"):
             self.call(qr=torch.tensor([[0, 8]], dtype=torch.int32, device="meta"))

@@ -34,7 +34,10 @@ def ipc_supported(device: torch.device | None = None) -> tuple[bool, str]:
 
 
 class IpcArena:
-    """One device buffer per rank, mapped into every rank of ``group`` (same host)."""
+    """One device buffer per rank, mapped into every rank of ``group`` (same host).
+
+    Every arena has the size of the largest ``nbytes`` any rank asks for: peers write into
+    each other's arenas, and with uneven shards one rank's output can outgrow another's need."""
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
         ok, why = ipc_supported(torch.device(device))
@@ -42,9 +45,11 @@ class IpcArena:
             raise RuntimeError(f"CUDA IPC group collectives are unavailable: {why}; use the a2a backend")
         from torch.multiprocessing.reductions import reduce_tensor
 
-        self.group, self.nbytes = group, nbytes
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.local = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        wanted: list = [None] * self.world
+        dist.all_gather_object(wanted, int(nbytes), group=group)
+        self.group, self.nbytes = group, max(wanted)
+        self.local = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         handles: list = [None] * self.world
         dist.all_gather_object(handles, reduce_tensor(self.local), group=group)
         self.peers = [self.local if r == self.rank else fn(*args) for r, (fn, args) in enumerate(handles)]

@@ -33,7 +33,8 @@ def _as_range_tensor(x: Any, name: str) -> torch.Tensor:
         if hasattr(x, "to_list"):  # magi_solver.AttnRanges
             x = x.to_list()
         # no dtype given: float entries give a float tensor (rejected below), never truncated ints
-        t = torch.tensor([tuple(r) for r in x]) if len(x) else torch.empty(0, 2, dtype=torch.int32)
+        rows = [(r.start, r.end) if hasattr(r, "start") and hasattr(r, "end") else tuple(r) for r in x]  # AttnRange
+        t = torch.tensor(rows) if rows else torch.empty(0, 2, dtype=torch.int32)
     _check_has_values(t, name)
     if t.dim() != 2 or t.shape[1] != 2:
         raise ValueError(f"{name} must have shape [num_slices, 2] (half-open [start, end) rows), got {tuple(t.shape)}")
