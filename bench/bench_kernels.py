@@ -23,24 +23,30 @@ from magi_kernels import KernelConfig, clear_caches, default_kernel_config, flex
 
 from fa4_peer import NATIVE_MASKS as FA4_NATIVE_MASKS, fa4_missing, fa4_native, fa4_through_flex
 
-MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal"]
+MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal", "shared_prefix"]
 PEERS = ("flex", "cudnn", "fa4", "fa4flex")
 IMPLS = ("magi",) + PEERS
 
 
-def row_intervals(slices, S, device):
-    """Per-query [lo, hi) key interval (every benchmark mask has one interval per row)."""
-    lo = torch.zeros(S, dtype=torch.int32)
-    hi = torch.zeros(S, dtype=torch.int32)
+def row_intervals(slices, S, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-query ``[lo, hi)`` key intervals: one pair of tensors for each interval a row can have
+    (one for most benchmark masks, two for shared_prefix: the prefix and the row's own document);
+    a row with fewer intervals gets empty ones."""
+    ivals: list[tuple[torch.Tensor, torch.Tensor]] = []
+    used = torch.zeros(S, dtype=torch.long)  # intervals given to each row so far
     for s in slices:
-        b = s.band()
-        for p in b.pieces():
+        for p in s.band().pieces():
             q = torch.arange(p.q_start, p.q_end)
             l = torch.clamp(q + p.diag_lo, min=p.k_lo) if p.diag_lo > -(1 << 61) else torch.full_like(q, p.k_lo)
             h = torch.clamp(q + p.diag_hi, max=p.k_hi) if p.diag_hi < (1 << 61) else torch.full_like(q, p.k_hi)
-            lo[p.q_start:p.q_end] = l.int()
-            hi[p.q_start:p.q_end] = h.int()
-    return lo.to(device), hi.to(device)
+            slot = used[p.q_start:p.q_end]
+            for j in range(int(slot.max()) + 1 if len(slot) else 0):
+                if j == len(ivals):
+                    ivals.append((torch.zeros(S, dtype=torch.int32), torch.zeros(S, dtype=torch.int32)))
+                rows = q[slot == j]
+                ivals[j][0][rows], ivals[j][1][rows] = l[slot == j].int(), h[slot == j].int()
+            used[p.q_start:p.q_end] += 1
+    return [(lo.to(device), hi.to(device)) for lo, hi in ivals]
 
 
 def bench(fn, reps_ms=200):
@@ -145,9 +151,18 @@ def run(args, on_row=lambda rows: None):
                     elif mask == "causal":
                         bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
                     else:
-                        lo, hi = row_intervals(slices, S, dev)
-                        bm = compiled_block_mask(lambda b, h, qi, ki: (ki >= lo[qi]) & (ki < hi[qi]), None, None,
-                                                 S, S, device=dev)
+                        ivals = row_intervals(slices, S, dev)
+                        if len(ivals) == 1:
+                            (lo, hi), = ivals
+
+                            def mask_fn(b, h, qi, ki):
+                                return (ki >= lo[qi]) & (ki < hi[qi])
+                        else:  # shared_prefix: the prefix and the row's own document
+                            (lo, hi), (lo2, hi2) = ivals
+
+                            def mask_fn(b, h, qi, ki):
+                                return ((ki >= lo[qi]) & (ki < hi[qi])) | ((ki >= lo2[qi]) & (ki < hi2[qi]))
+                        bm = compiled_block_mask(mask_fn, None, None, S, S, device=dev)
 
                     def fx():
                         return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
