@@ -69,6 +69,81 @@ FAMILIES: dict[str, Family] = {
     "modernbert": Family("ModernBertConfig", "ModernBertForMaskedLM",
                          dict(num_hidden_layers=2, global_attn_every_n_layers=2, local_attention=6,
                               layer_types=SWA, pad_token_id=0), causal_lm=False),
+    "minimax": Family("MiniMaxConfig", "MiniMaxForCausalLM",  # lightning (linear) attention on odd layers
+                      dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4, num_hidden_layers=3,
+                           layer_types=["full_attention", "linear_attention", "full_attention"])),
+    "minimax_window": Family("MiniMaxConfig", "MiniMaxForCausalLM",  # HF windows its full_attention layers
+                             dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+                                  num_hidden_layers=3, sliding_window=5,
+                                  layer_types=["full_attention", "linear_attention", "full_attention"])),
+    "minimax_m2": Family("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                         dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2)),
+    "mimo_v2_flash": Family("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",  # sinks on window layers, v dim != qk dim
+                            dict(head_dim=8, v_head_dim=6, sliding_window=5, layer_types=["full_attention",
+                                 "sliding_attention"], n_routed_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16)),
+    "seed_oss": Family("SeedOssConfig", "SeedOssForCausalLM", dict(head_dim=8, residual_dropout=0.0)),
+    "apertus": Family("ApertusConfig", "ApertusForCausalLM", dict(pad_token_id=0)),
+    "afmoe": Family("AfmoeConfig", "AfmoeForCausalLM",  # gated attention output, windows per layer
+                    dict(head_dim=8, sliding_window=5, layer_types=SWA, num_experts=4, num_experts_per_tok=2,
+                         num_shared_experts=1, moe_intermediate_size=16)),
+    "vaultgemma": Family("VaultGemmaConfig", "VaultGemmaForCausalLM",
+                         dict(head_dim=8, sliding_window=5, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                              query_pre_attn_scalar=12, layer_types=SWA)),
+    "granite_swa": Family("GraniteSWAConfig", "GraniteSWAForCausalLM",  # sinks, windows per layer, multiplier
+                          dict(sliding_window=5, layer_types=SWA, attention_multiplier=0.3)),
+    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",  # gated DeltaNet layers + gated attention
+                         dict(head_dim=8, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                              linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=16)),
+    "olmo_hybrid": Family("OlmoHybridConfig", "OlmoHybridForCausalLM",
+                          dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, pad_token_id=0,
+                               linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)),
+    "kimi_linear": Family("KimiLinearConfig", "KimiLinearForCausalLM",  # MLA + KDA linear layers
+                          dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                               num_key_value_heads=4, layer_types=["linear_attention", "full_attention"], pad_token_id=0,
+                               linear_head_dim=8, linear_num_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=16)),
+    "longcat_flash": Family("LongcatFlashConfig", "LongcatFlashForCausalLM",  # MLA, two attentions per layer
+                            dict(num_layers=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, head_dim=4,
+                                 qk_rope_head_dim=4, v_head_dim=6, num_key_value_heads=4, ffn_hidden_size=48,
+                                 n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=16)),
+    "gemma3n": Family("Gemma3nTextConfig", "Gemma3nForCausalLM",  # KV shared across layers, AltUp, value norm
+                      dict(head_dim=8, sliding_window=5, num_hidden_layers=4, num_kv_shared_layers=2,
+                           layer_types=SWA * 2, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                           laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+                           pad_token_id=0)),
+    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM",  # K = V on full layers, scaling 1, v norm
+                     dict(head_dim=8, sliding_window=5, layer_types=SWA, attention_k_eq_v=True,
+                          vocab_size_per_layer_input=64, hidden_size_per_layer_input=8, pad_token_id=0)),
+    "gemma4_kv_shared": Family("Gemma4TextConfig", "Gemma4ForCausalLM",  # layers 2, 3 reuse K/V of layers 0, 1
+                               dict(head_dim=8, sliding_window=5, num_hidden_layers=4, num_kv_shared_layers=2,
+                                    layer_types=SWA * 2, attention_k_eq_v=True, vocab_size_per_layer_input=64,
+                                    hidden_size_per_layer_input=8, pad_token_id=0)),
+    "deepseek_v4_sliding": Family("DeepseekV4Config", "DeepseekV4ForCausalLM",  # sliding layers only: K = V, sinks
+                                  dict(head_dim=8, num_key_value_heads=1, q_lora_rank=16, sliding_window=5,
+                                       layer_types=["sliding_attention"] * 2, o_groups=2, o_lora_rank=8,
+                                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                       hc_mult=2, index_n_heads=2, index_head_dim=8, index_topk=4)),
+}
+
+# Families whose attention the magi backend refuses by name (a per-query top-k key selection, or
+# compressed KV entries appended to the keys): tiny configs to check the refusal
+REFUSED_FAMILIES: dict[str, Family] = {
+    "deepseek_v32": Family("DeepseekV32Config", "DeepseekV32ForCausalLM",  # DSA indexer top-k
+                           dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                first_k_dense_replace=1, moe_intermediate_size=16, num_key_value_heads=4,
+                                index_topk=4, index_head_dim=8, index_n_heads=2)),
+    "glm_moe_dsa": Family("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",  # DSA indexer top-k
+                          dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                               v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                               moe_intermediate_size=16, num_key_value_heads=4, index_topk=4, index_head_dim=8,
+                               index_n_heads=2)),
+    "deepseek_v4_compressed": Family("DeepseekV4Config", "DeepseekV4ForCausalLM",  # CSA / HCA layers
+                                     dict(FAMILIES["deepseek_v4_sliding"].kwargs,
+                                          layer_types=["sliding_attention", "compressed_sparse_attention"])),
 }
 
 
@@ -78,7 +153,7 @@ def build(name: str, attn: str) -> torch.nn.Module:
     from magi_integrations.hf import register_magi
 
     register_magi()
-    fam = FAMILIES[name]
+    fam = FAMILIES[name] if name in FAMILIES else REFUSED_FAMILIES[name]
     kwargs = {**COMMON, **fam.kwargs}
     if name == "modernbert":
         for k in ("num_key_value_heads", "max_position_embeddings"):

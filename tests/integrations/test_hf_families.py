@@ -17,20 +17,35 @@ TOL = 1e-9
 # Gemma's norms compute in float32 even in a float64 model; under CP the shards have other shapes
 # than the reference's row, so those fp32 roundings differ (seen: 2e-9 abs, 2e-7 rel on a norm weight)
 FP32_INTERNALS = {"gemma2", "gemma3"}
+# Qwen3-Next's RMSNorms (q/k norms, layer norms) compute in float32 even in a float64 model: ulp
+# differences between two correct attentions come out of them as float32 roundings (seen: 1.7e-8 on
+# the logits; 7e-10 with those norms patched to float64), also without CP
+FP32_NORMS = {"qwen3_next"}
+FP32_INTERNALS |= FP32_NORMS
 # Flint's eager attention computes its scores and softmax in float32 even in a float64 model: the
-# reference itself is float32-accurate (seen: 1.5e-6 abs / 1.2e-5 rel on an embedding gradient)
-FP32_REFERENCE = {"flint"}
+# reference itself is float32-accurate (seen: 1.5e-6 abs / 1.2e-5 rel on an embedding gradient);
+# GraniteSWA's eager takes its sink scale sigmoid(logsumexp - sink) in float32 (seen: 2.9e-8 logits)
+FP32_REFERENCE = {"flint", "granite_swa"}
 TOL_FP32_REFERENCE = 5e-5
 TOL_FP32_INTERNALS = 1e-6
 S = 24
 CU = [0, 9, 20, 24]  # documents longer than the windows (5) and chunks (4) of the tiny models
 # Llama4 does not pass position_ids to its attention layers: packing by position_ids alone would
 # attend across documents, so the backend refuses it and asks for cu_seq_lens (that case passes)
-REFUSED = {("llama4_chunked", "packed_position_ids"): "pass cu_seq_lens_q and cu_seq_lens_k"}
+# (DeepSeek-V4 takes position_ids as a named argument of its attention: the same refusal);
+# Gemma 4 with KV-shared layers slices its masks as 4-D tensors, refused with any mask;
+# Qwen3-Next's and OLMo-Hybrid's gated DeltaNet layers (HF's, not magi's) refuse cu_seq_lens on CPU
+_NEEDS_CU = (ValueError, "pass cu_seq_lens_q and cu_seq_lens_k")
+_KV_SHARED = (NotImplementedError, "KV-shared layers")
+_FLA = (ValueError, "flash-linear-attention")
+REFUSED = {("llama4_chunked", "packed_position_ids"): _NEEDS_CU, ("deepseek_v4_sliding", "packed_position_ids"): _NEEDS_CU,
+           **{("gemma4_kv_shared", c): _KV_SHARED for c in ("packed_position_ids", "packed_cu_seq_lens", "padded_batch")},
+           ("qwen3_next", "packed_cu_seq_lens"): _FLA, ("olmo_hybrid", "packed_cu_seq_lens"): _FLA}
 # GPT-OSS does not give position_ids to its mask functions, so its eager path attends across packed
 # documents (its flash path does not): its packed reference runs document by document instead
 # (for the others, eager on the packed row: same shapes, so the same fp32-internal rounding)
-MASKS_IGNORE_PACKING = {"gpt_oss"}
+# AFMoE's model builds its masks without position_ids too (the same, on its sliding and full layers)
+MASKS_IGNORE_PACKING = {"gpt_oss", "afmoe"}
 CASES = ["one_sequence", "packed_position_ids", "packed_cu_seq_lens", "padded_batch"]
 
 
@@ -73,7 +88,7 @@ def _run(model, kwargs: dict, valid: torch.Tensor, per_document: bool = False):
 
 
 def _compare(name: str, case: str, logits, grads, ref_logits, ref_grads, valid) -> None:
-    tol = TOL_FP32_REFERENCE if name in FP32_REFERENCE else TOL
+    tol = TOL_FP32_REFERENCE if name in FP32_REFERENCE else TOL_FP32_INTERNALS if name in FP32_NORMS else TOL
     torch.testing.assert_close(logits[valid], ref_logits[valid], atol=tol, rtol=tol,
                                msg=lambda m: f"{name}/{case} logits: {m}")
     assert grads.keys() == ref_grads.keys(), f"{name}/{case}: parameters with gradients differ"
@@ -94,7 +109,8 @@ def test_family_matches_eager(name, case):
         pytest.skip("HF's bidirectional encoder masks take no packed position_ids")
     eager_kw, magi_kw, valid = _inputs(case)
     if (name, case) in REFUSED:
-        with pytest.raises(ValueError, match=REFUSED[(name, case)]):
+        error, match = REFUSED[(name, case)]
+        with pytest.raises(error, match=match):
             _run(build(name, "magi"), magi_kw, valid)
         return
     per_document = case.startswith("packed") and name in MASKS_IGNORE_PACKING
@@ -167,6 +183,34 @@ def test_refuses_what_it_cannot_honour():
     mask[0, 3] = 0
     with pytest.raises(ValueError, match="padding between its tokens"):
         model(input_ids=torch.randint(1, 64, (1, 8)), attention_mask=mask, use_cache=False)
+
+
+@pytest.mark.parametrize("name,match", [("deepseek_v32", "deepseek_v32 uses DeepSeek sparse attention"),
+                                        ("glm_moe_dsa", "glm_moe_dsa uses DeepSeek sparse attention"),
+                                        ("deepseek_v4_compressed", "'compressed_sparse_attention'")])
+def test_refuses_families_it_cannot_honour(name, match):
+    """Families whose attention picks keys per query (DSA's indexer top-k) or appends compressed KV
+    entries: refused by name when HF builds the masks, on one sequence and on a padded batch."""
+    for case in ("one_sequence", "padded_batch"):
+        _, magi_kw, _ = _inputs(case)
+        with pytest.raises(NotImplementedError, match=match):
+            build(name, "magi")(**magi_kw, use_cache=False)
+    build(name, "eager")(**_inputs("one_sequence")[0], use_cache=False)  # the config itself runs
+
+
+def test_refuses_what_the_attention_call_cannot_carry():
+    """The attention interface itself refuses a sparse selection (``indices=``) and queries that
+    are not the keys' own tokens (extra or compressed KV, queries sliced to logits_to_keep)."""
+    from magi_integrations.hf import magi_attention_forward
+
+    module = build("llama", "magi").model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 8, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    with pytest.raises(NotImplementedError, match="passes indices="):
+        magi_attention_forward(module, q, k, v, None, indices=torch.zeros(1, 8, 2, dtype=torch.long))
+    longer = torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="8 queries against 12 keys"):
+        magi_attention_forward(module, q, longer, longer, None)
 
 
 def test_refuses_cross_attention():

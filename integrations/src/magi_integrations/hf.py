@@ -65,6 +65,13 @@ class LayerMask:
     chunk: int | None = None
 
 
+# Model types whose "full_attention" layers get HF's sliding-window mask whenever
+# config.sliding_window is set (MiniMax: its softmax layers are all "full_attention", beside its
+# linear ones, and its model builds them create_sliding_window_causal_mask): the window they pass
+# is the one HF applies, not one to drop
+_WINDOWED_FULL_ATTENTION = frozenset({"minimax"})
+
+
 def layer_mask(module: Any, kwargs: dict) -> LayerMask:
     """The mask HF's own (eager / sdpa) path gives this layer, from what the model passes and
     its config: ``is_causal`` (argument, else ``module.is_causal``), ``sliding_window``
@@ -78,7 +85,8 @@ def layer_mask(module: Any, kwargs: dict) -> LayerMask:
     window = kwargs.get("sliding_window")
     chunk = None
     if layer_type == "full_attention":
-        window = None  # some models pass config.sliding_window to every layer; HF's mask has none here
+        if getattr(config, "model_type", None) not in _WINDOWED_FULL_ATTENTION:
+            window = None  # some models pass config.sliding_window to every layer; HF's mask has none here
     elif layer_type == "sliding_attention":
         if window is None:
             window = getattr(config, "sliding_window", None)
@@ -223,6 +231,34 @@ def _is_cross_attention(module: Any) -> bool:
     return bool(getattr(module, "is_decoder", False)) and getattr(module, "is_causal", True) is False
 
 
+def _check_model_config(config: Any, masked: bool) -> None:
+    """Refuse, by name, the model families whose attention selects keys in a way no mask of the
+    magi backend expresses (checked when HF builds the model's masks, before any layer runs).
+    ``masked``: whether HF hands the layers a mask (padding or packed sequences)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in ("deepseek_v32", "glm_moe_dsa"):
+        raise NotImplementedError(
+            f"{model_type} uses DeepSeek sparse attention (DSA): each query attends only to the "
+            f"config.index_topk={getattr(config, 'index_topk', None)} keys its indexer picks, a per-query top-k "
+            "selection the magi attention backend cannot express as mask slices (it would run dense causal "
+            "attention instead); use attn_implementation='eager' or 'sdpa' for this model")
+    layer_types = getattr(config, "layer_types", None) or ()
+    if model_type == "deepseek_v4":
+        compressed = sorted({t for t in layer_types if t != "sliding_attention"})
+        if compressed:
+            raise NotImplementedError(
+                f"deepseek_v4 layers of type {compressed} (config.layer_types) append compressed KV entries, with "
+                "their own per-query visibility bias (and, for compressed_sparse_attention, an indexer's top-k), "
+                "to the keys; the magi attention backend honours only its sliding_attention layers: use "
+                "attn_implementation='eager' or 'sdpa' for this model")
+    if model_type == "gemma4_text" and masked and getattr(config, "num_kv_shared_layers", 0):
+        raise NotImplementedError(
+            "Gemma 4 with KV-shared layers (config.num_kv_shared_layers > 0) slices the attention masks of those "
+            "layers as 4-D tensors (Gemma4TextModel._maybe_slice_kv_shared_inputs); the magi backend's padding / "
+            "packed-sequence masks are not, so it runs such models only on unpadded, unpacked rows: use "
+            "attn_implementation='sdpa' for padded or packed batches of this model")
+
+
 def _check_call_features(module: Any, dropout: float, kwargs: dict) -> None:
     if _is_cross_attention(module):
         raise NotImplementedError(
@@ -233,6 +269,11 @@ def _check_call_features(module: Any, dropout: float, kwargs: dict) -> None:
     if dropout:
         raise ValueError("the magi attention backend has no attention dropout; set attention_dropout=0.0 "
                          "(or call model.eval())")
+    if kwargs.get("indices") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes indices= (a sparse attention's per-query top-k key selection, e.g. "
+            "DeepSeek-V3.2's DSA indexer); the magi attention backend cannot honour it and would attend to every "
+            "key: use attn_implementation='eager' or 'sdpa' for this model")
     if kwargs.get("output_attentions"):
         raise ValueError("the magi attention backend does not return attention weights (output_attentions=True); "
                          "use attn_implementation='eager' to inspect them")
@@ -258,6 +299,12 @@ def magi_attention_forward(
     sink = kwargs.get("s_aux")
     b, hq, s, d = query.shape
     hk = key.shape[1]
+    if key.shape[2] != s or value.shape[2] != s:
+        raise NotImplementedError(
+            f"{type(module).__name__} gave {s} queries against {key.shape[2]} keys / {value.shape[2]} values: the "
+            "magi Hugging Face backend runs self-attention over the call's own tokens only (no KV cache, no extra "
+            "or compressed KV entries, no queries sliced to logits_to_keep); use another attn_implementation for "
+            "this model or call")
     magi_key = kwargs.get("magi_key")
     if magi_key is not None:  # context parallelism: the batch was dispatched by prepare_cp_batch
         # HF's packing marker only restates the dispatched position ids: the key holds the documents
@@ -382,7 +429,8 @@ def magi_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     if padding is None and batch_size == 1 and q_length > 1 and kwargs.get("mask_function") is not None:
         starts = _hf_sequence_starts(kwargs["mask_function"], q_length)
         if starts:
-            return HFPackedSequences(starts)
+            padding = HFPackedSequences(starts)
+    _check_model_config(kwargs.get("config"), masked=padding is not None)
     return padding
 
 
