@@ -114,12 +114,13 @@ FAMILIES: dict[str, Family] = {
                            layer_types=SWA * 2, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
                            laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
                            pad_token_id=0)),
-    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM",  # K = V on full layers, scaling 1, v norm
-                     dict(head_dim=8, sliding_window=5, layer_types=SWA, attention_k_eq_v=True,
-                          vocab_size_per_layer_input=64, hidden_size_per_layer_input=8, pad_token_id=0)),
+    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM",  # K = V, own heads and head dim on full layers
+                     dict(head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=5,
+                          layer_types=SWA, attention_k_eq_v=True, vocab_size_per_layer_input=64,
+                          hidden_size_per_layer_input=8, pad_token_id=0)),
     "gemma4_kv_shared": Family("Gemma4TextConfig", "Gemma4ForCausalLM",  # layers 2, 3 reuse K/V of layers 0, 1
-                               dict(head_dim=8, sliding_window=5, num_hidden_layers=4, num_kv_shared_layers=2,
-                                    layer_types=SWA * 2, attention_k_eq_v=True, vocab_size_per_layer_input=64,
+                               dict(head_dim=8, global_head_dim=8, sliding_window=5, num_hidden_layers=4,
+                                    num_kv_shared_layers=2, layer_types=SWA * 2, vocab_size_per_layer_input=64,
                                     hidden_size_per_layer_input=8, pad_token_id=0)),
     "deepseek_v4_sliding": Family("DeepseekV4Config", "DeepseekV4ForCausalLM",  # sliding layers only: K = V, sinks
                                   dict(head_dim=8, num_key_value_heads=1, q_lora_rank=16, sliding_window=5,

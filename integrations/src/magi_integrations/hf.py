@@ -231,10 +231,10 @@ def _is_cross_attention(module: Any) -> bool:
     return bool(getattr(module, "is_decoder", False)) and getattr(module, "is_causal", True) is False
 
 
-def _check_model_config(config: Any, masked: bool) -> None:
+def _check_model_config(config: Any, padded: bool) -> None:
     """Refuse, by name, the model families whose attention selects keys in a way no mask of the
     magi backend expresses (checked when HF builds the model's masks, before any layer runs).
-    ``masked``: whether HF hands the layers a mask (padding or packed sequences)."""
+    ``padded``: whether HF hands the layers a padding mask (a 2-D tensor)."""
     model_type = getattr(config, "model_type", None)
     if model_type in ("deepseek_v32", "glm_moe_dsa"):
         raise NotImplementedError(
@@ -251,12 +251,29 @@ def _check_model_config(config: Any, masked: bool) -> None:
                 "their own per-query visibility bias (and, for compressed_sparse_attention, an indexer's top-k), "
                 "to the keys; the magi attention backend honours only its sliding_attention layers: use "
                 "attn_implementation='eager' or 'sdpa' for this model")
-    if model_type == "gemma4_text" and masked and getattr(config, "num_kv_shared_layers", 0):
+    if model_type == "gemma4_text" and padded and getattr(config, "num_kv_shared_layers", 0):
         raise NotImplementedError(
             "Gemma 4 with KV-shared layers (config.num_kv_shared_layers > 0) slices the attention masks of those "
-            "layers as 4-D tensors (Gemma4TextModel._maybe_slice_kv_shared_inputs); the magi backend's padding / "
-            "packed-sequence masks are not, so it runs such models only on unpadded, unpacked rows: use "
-            "attn_implementation='sdpa' for padded or packed batches of this model")
+            "layers as 4-D tensors (Gemma4TextModel._maybe_slice_kv_shared_inputs); the magi backend's padding "
+            "mask is 2-D, so it runs such models on unpadded rows only: pack the documents into one row "
+            "(position_ids or cu_seq_lens) instead of padding, or use attn_implementation='sdpa' for this model")
+
+
+_SOFTMAX_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def _check_cp_layers(module: Any) -> None:
+    """Under context parallelism every layer that mixes tokens must see the whole sequence; the
+    layers of a hybrid model that do not go through the attention interface (linear attention,
+    DeltaNet, ...) would run on this rank's dispatched shard alone."""
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in _SOFTMAX_LAYER_TYPES})
+    if other:
+        raise NotImplementedError(
+            f"this model has {other} layers (config.layer_types) besides softmax attention; they do not go "
+            "through the attention backend, so under context parallelism they would run on each rank's shard "
+            "of the dispatched tokens alone: run it without a CP group (the magi backend covers its softmax "
+            "attention layers there)")
 
 
 def _check_call_features(module: Any, dropout: float, kwargs: dict) -> None:
@@ -307,6 +324,7 @@ def magi_attention_forward(
             "this model or call")
     magi_key = kwargs.get("magi_key")
     if magi_key is not None:  # context parallelism: the batch was dispatched by prepare_cp_batch
+        _check_cp_layers(module)
         # HF's packing marker only restates the dispatched position ids: the key holds the documents
         if not (attention_mask is None or isinstance(attention_mask, HFPackedSequences)) or b != 1:
             raise ValueError("under context parallelism the batch must be one packed row without padding "
@@ -315,6 +333,13 @@ def magi_attention_forward(
         docs = kwargs.get("magi_documents")
         if docs is None:
             raise ValueError("magi_key was passed without magi_documents; use CPBatch.model_kwargs() from prepare_cp_batch")
+        if (hq, hk, d) != (magi_key.num_heads_q, magi_key.num_heads_kv, magi_key.head_dim):
+            raise NotImplementedError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has {hq} query / {hk} KV heads "
+                f"of dim {d}, but the CP batch was planned for {magi_key.num_heads_q} / {magi_key.num_heads_kv} of "
+                f"dim {magi_key.head_dim}: layers with their own head counts or head dims (e.g. MiMo-V2-Flash's "
+                "sliding layers, Gemma 4's global_head_dim) are not supported under context parallelism; run "
+                "this model without a CP group")
         key_for_layer = cp_layer_key(magi_key, docs, mask)
     else:
         hf_packed = attention_mask if isinstance(attention_mask, HFPackedSequences) else None
@@ -430,7 +455,7 @@ def magi_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
         starts = _hf_sequence_starts(kwargs["mask_function"], q_length)
         if starts:
             padding = HFPackedSequences(starts)
-    _check_model_config(kwargs.get("config"), masked=padding is not None)
+    _check_model_config(kwargs.get("config"), padded=isinstance(padding, torch.Tensor))
     return padding
 
 
@@ -442,6 +467,18 @@ class HFPackedSequences:
     attention layers would otherwise attend across documents)."""
 
     starts: tuple[int, ...]
+
+    def __getitem__(self, index: Any) -> HFPackedSequences:
+        """Gemma 4 slices every layer mask to the queries it keeps before its KV-shared layers
+        (``mask[:, :, -logits_to_keep:, :]``, all of them in training): keeping all is a no-op;
+        fewer queries than keys is refused by the attention itself."""
+        whole = slice(None), slice(0, None)
+        if not (isinstance(index, tuple) and all(isinstance(i, slice) and i in whole for i in index)):
+            raise NotImplementedError(
+                f"the magi backend's packed-sequence mask cannot be indexed by {index!r} (a model slicing its "
+                "attention mask to some queries, e.g. logits_to_keep > 0 before Gemma 4's KV-shared layers); "
+                "run the forward with logits_to_keep=0 or use another attn_implementation")
+        return self
 
 
 def _hf_sequence_starts(mask_function: Any, length: int) -> tuple[int, ...]:
@@ -536,6 +573,12 @@ def gather_logits(logits_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
 
 def attention_config(model_config: Any) -> dict[str, int]:
     """Head counts of a HF config, for :func:`prepare_cp_batch`."""
+    layers = getattr(model_config, "per_layer_config", None)  # HF's heterogeneous configs (Gemma 4)
+    if layers is not None and len({(getattr(c, "num_key_value_heads", None), getattr(c, "head_dim", None)) for c in layers}) > 1:
+        raise NotImplementedError(
+            "this model's layers have different KV head counts or head dims (config.per_layer_config, e.g. Gemma 4's "
+            "global_head_dim); one CP batch plans one head shape for every layer: run it without context "
+            "parallelism, or give every layer the same heads")
     hq = model_config.num_attention_heads
     nope, rope = (getattr(model_config, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim"))
     if nope is not None and rope is not None:  # MLA (DeepSeek): the query/key head dim; v has its own
