@@ -98,13 +98,14 @@ FAMILIES: dict[str, Family] = {
                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                               shared_expert_intermediate_size=16)),
     "olmo_hybrid": Family("OlmoHybridConfig", "OlmoHybridForCausalLM",
-                          dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, pad_token_id=0,
-                               linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)),
+                          dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                               linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                               pad_token_id=0)),
     "kimi_linear": Family("KimiLinearConfig", "KimiLinearForCausalLM",  # MLA + KDA linear layers
                           dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-                               num_key_value_heads=4, layer_types=["linear_attention", "full_attention"], pad_token_id=0,
+                               num_key_value_heads=4, layer_types=["linear_attention", "full_attention"],
                                linear_head_dim=8, linear_num_heads=4, num_local_experts=4, num_experts_per_tok=2,
-                               moe_intermediate_size=16)),
+                               moe_intermediate_size=16, pad_token_id=0)),
     "longcat_flash": Family("LongcatFlashConfig", "LongcatFlashForCausalLM",  # MLA, two attentions per layer
                             dict(num_layers=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, head_dim=4,
                                  qk_rope_head_dim=4, v_head_dim=6, num_key_value_heads=4, ffn_hidden_size=48,

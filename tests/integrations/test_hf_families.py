@@ -40,7 +40,8 @@ CU = [0, 9, 20, 24]  # documents longer than the windows (5) and chunks (4) of t
 _NEEDS_CU = (ValueError, "pass cu_seq_lens_q and cu_seq_lens_k")
 _KV_SHARED = (NotImplementedError, "KV-shared layers")
 _FLA = (ValueError, "flash-linear-attention")
-REFUSED = {("llama4_chunked", "packed_position_ids"): _NEEDS_CU, ("deepseek_v4_sliding", "packed_position_ids"): _NEEDS_CU,
+REFUSED = {("llama4_chunked", "packed_position_ids"): _NEEDS_CU,
+           ("deepseek_v4_sliding", "packed_position_ids"): _NEEDS_CU,
            ("gemma4_kv_shared", "padded_batch"): _KV_SHARED,
            ("qwen3_next", "packed_cu_seq_lens"): _FLA, ("olmo_hybrid", "packed_cu_seq_lens"): _FLA}
 # GPT-OSS does not give position_ids to its mask functions, so its eager path attends across packed

@@ -574,7 +574,8 @@ def gather_logits(logits_local: torch.Tensor, key: DistAttnKey) -> torch.Tensor:
 def attention_config(model_config: Any) -> dict[str, int]:
     """Head counts of a HF config, for :func:`prepare_cp_batch`."""
     layers = getattr(model_config, "per_layer_config", None)  # HF's heterogeneous configs (Gemma 4)
-    if layers is not None and len({(getattr(c, "num_key_value_heads", None), getattr(c, "head_dim", None)) for c in layers}) > 1:
+    shapes = {(getattr(c, "num_key_value_heads", None), getattr(c, "head_dim", None)) for c in layers or ()}
+    if len(shapes) > 1:
         raise NotImplementedError(
             "this model's layers have different KV head counts or head dims (config.per_layer_config, e.g. Gemma 4's "
             "global_head_dim); one CP batch plans one head shape for every layer: run it without context "
