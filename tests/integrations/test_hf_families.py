@@ -296,3 +296,24 @@ def test_record_max_logits_matches_eager_scores(name):
     assert len(got) == len(seen) == model.config.num_hidden_layers
     for layer, (g, ref) in enumerate(zip(got, seen)):
         torch.testing.assert_close(g.double(), ref, atol=1e-5, rtol=1e-6, msg=lambda m, i=layer: f"layer {i}: {m}")
+
+
+def test_refuses_unknown_attention_kwargs():
+    """An argument the backend does not know may change the attention (a bias, a head mask): it is
+    refused by name unless the user allows it."""
+    import magi_integrations.hf as hf
+
+    model = build("llama", "magi")
+    attn = model.model.layers[0].self_attn
+    q, k, v = (torch.randn(1, h, 6, 8, dtype=torch.float64) for h in (4, 2, 2))
+    with pytest.raises(NotImplementedError, match=r"passes \['attn_bias'\].*allow_attention_kwargs\('attn_bias'\)"):
+        hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, attn_bias=torch.zeros(6, 6))
+    out, _ = hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, attn_bias=None, use_cache=True)
+    try:
+        hf.allow_attention_kwargs("attn_bias")
+        allowed, _ = hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, attn_bias=torch.zeros(6, 6))
+    finally:
+        hf._allowed_kwargs.discard("attn_bias")
+    assert torch.equal(allowed, out)
+    with pytest.raises(TypeError, match="argument names"):
+        hf.allow_attention_kwargs(3)

@@ -276,7 +276,47 @@ def _check_cp_layers(module: Any) -> None:
             "attention layers there)")
 
 
+# The keyword arguments the backend reads (honours or refuses by value) ...
+_READ_KWARGS = frozenset({
+    "is_causal", "sliding_window", "softcap", "s_aux", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+    "max_length_q", "max_length_k", "magi_key", "magi_documents", "indices", "output_attentions",
+})
+# ... and those HF passes through every layer that do not change the attention's result (cache
+# and output bookkeeping, loss arguments, a FlashAttention dropout flag with no dropout here).
+_INERT_KWARGS = frozenset({
+    "use_cache", "cache_position", "past_key_value", "past_key_values", "position_embeddings",
+    "output_hidden_states", "output_router_logits", "return_dict", "deterministic", "num_items_in_batch",
+    "logits_to_keep",
+})
+_allowed_kwargs: set[str] = set()
+
+
+def allow_attention_kwargs(*names: str) -> None:
+    """Let the magi backend ignore these keyword arguments of a model's attention call.
+
+    The backend refuses any argument it does not know (with a value other than None), because an
+    unknown one may change the attention: a bias, a head mask, a selection of keys. Allow one only
+    when you know it does not."""
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise TypeError(f"allow_attention_kwargs takes argument names (str), got {n!r}")
+    _allowed_kwargs.update(names)
+
+
+def _check_known_kwargs(module: Any, kwargs: dict) -> None:
+    unknown = sorted(k for k, v in kwargs.items()
+                     if v is not None and k not in _READ_KWARGS and k not in _INERT_KWARGS and k not in _allowed_kwargs)
+    if unknown:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {unknown} to its attention, which the magi backend does not know; "
+            "an unknown argument may change the attention (a bias, a head mask, a key selection), so it is not "
+            "dropped silently. If it does not change the result, allow it with "
+            f"magi_integrations.hf.allow_attention_kwargs({', '.join(repr(k) for k in unknown)}); otherwise use "
+            "attn_implementation='eager' or 'sdpa' for this model")
+
+
 def _check_call_features(module: Any, dropout: float, kwargs: dict) -> None:
+    _check_known_kwargs(module, kwargs)
     if _is_cross_attention(module):
         raise NotImplementedError(
             f"{type(module).__name__} is cross-attention (queries from one sequence, keys from another, e.g. an "
