@@ -21,7 +21,7 @@ from magi_attn import make_mask
 from magi_solver import slice_ranges
 from magi_kernels import KernelConfig, clear_caches, default_kernel_config, flex_flash_attn_func, plan_attention
 
-from fa4_peer import NATIVE_MASKS as FA4_NATIVE_MASKS, fa4_missing, fa4_native, fa4_through_flex
+from fa4_peer import fa4_missing, fa4_native, fa4_through_flex
 
 MASKS = ["full", "causal", "varlen_full", "varlen_causal", "sliding_window", "varlen_block_causal", "shared_prefix"]
 PEERS = ("flex", "cudnn", "fa4", "fa4flex")
@@ -175,11 +175,11 @@ def run(args, on_row=lambda rows: None):
             if not args.no_peers and {"fa4", "fa4flex"} & set(args.peers):
                 if (why := fa4_missing()) is not None:
                     res["fa4_error"] = why
-                if why is None and "fa4" in args.peers and mask in FA4_NATIVE_MASKS:
+                if why is None and "fa4" in args.peers:
                     qa, ka, va = (t.detach().clone().requires_grad_() for t in (q, k, v))
                     try:
-                        add_peer(fns, res, "fa4", fa4_native(mask, slices, qa, ka, va, args.window), (qa, ka, va),
-                                 g, o)
+                        if (fa4_fwd := fa4_native(mask, slices, qa, ka, va, args.window)) is not None:
+                            add_peer(fns, res, "fa4", fa4_fwd, (qa, ka, va), g, o)
                     except Exception as e:  # noqa: BLE001
                         res["fa4_error"] = repr(e)[:300]
                         fns.pop("fa4_fwd", None), fns.pop("fa4_bwd", None)

@@ -20,8 +20,6 @@ from typing import Callable
 
 import torch
 
-NATIVE_MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window")
-
 
 def fa4_missing() -> str | None:
     """None when ``flash_attn.cute`` imports, else the reason it does not."""

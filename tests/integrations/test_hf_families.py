@@ -317,3 +317,21 @@ def test_refuses_unknown_attention_kwargs():
     assert torch.equal(allowed, out)
     with pytest.raises(TypeError, match="argument names"):
         hf.allow_attention_kwargs(3)
+
+
+def test_refuses_key_documents_other_than_the_queries():
+    """cu_seq_lens_k is honoured only as the queries' own documents: another layout is refused."""
+    import magi_integrations.hf as hf
+
+    attn = build("llama", "magi").model.layers[0].self_attn
+    q, k, v = (torch.randn(1, h, 6, 8, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    same, _ = hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu.clone())
+    alone, _ = hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, cu_seq_lens_q=cu)
+    assert torch.equal(same, alone)
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_k describes other documents"):
+        hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, cu_seq_lens_q=cu,
+                                  cu_seq_lens_k=torch.tensor([0, 3, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seq_lens_k was passed without cu_seq_lens_q"):
+        hf.magi_attention_forward(attn, q, k, v, None, scaling=8 ** -0.5, cu_seq_lens_k=cu)

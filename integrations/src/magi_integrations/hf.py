@@ -169,12 +169,17 @@ def _packing(b: int, s: int, attention_mask: torch.Tensor | None, kwargs: dict) 
         return per_tensor(attention_mask, "magi_padding", lambda: _padded_packing(attention_mask[:, -s:]))
     if b != 1:  # no padding: every row is one sequence
         return _Packing(None, tuple((r * s, (r + 1) * s, r * s) for r in range(b)))
-    cu = kwargs.get("cu_seq_lens_q")
+    cu, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     pos = kwargs.get("position_ids")
+    if cu_k is not None and cu is None:
+        raise ValueError("cu_seq_lens_k was passed without cu_seq_lens_q; pass both (the same documents)")
     if cu is not None:
-        if cu.dtype.is_floating_point or cu.dim() != 1:
-            raise TypeError(f"cu_seq_lens_q must be a 1-D integer tensor, got a {cu.dim()}-D {cu.dtype} tensor")
-        cu_list = per_tensor(cu, "cu_seqlens", lambda: [int(x) for x in cu.tolist()])
+        cu_list = _cu_seqlens_list(cu, "cu_seq_lens_q")
+        if cu_k is not None and cu_k is not cu and _cu_seqlens_list(cu_k, "cu_seq_lens_k") != cu_list:
+            raise NotImplementedError(
+                "cu_seq_lens_k describes other documents than cu_seq_lens_q: the magi Hugging Face backend runs "
+                "each packed document's self-attention, so both must be the same; use magi_attn_cross_key for "
+                "queries and keys from different sequences")
         anchors = cu_list[:-1]  # chunks count from each document's start
     elif pos is not None:
         cu_list, anchors = per_tensor(pos, "packed_docs", lambda: _docs_from_position_ids(pos))
@@ -183,6 +188,13 @@ def _packing(b: int, s: int, attention_mask: torch.Tensor | None, kwargs: dict) 
     if cu_list[-1] != s:
         raise ValueError(f"cu_seq_lens_q / position_ids describe {cu_list[-1]} tokens but the call has {s}")
     return _Packing(None, tuple((a, e, r) for a, e, r in zip(cu_list, cu_list[1:], anchors) if e > a))
+
+
+def _cu_seqlens_list(cu: torch.Tensor, name: str) -> list[int]:
+    """The boundaries of a ``cu_seq_lens_*`` tensor as ints (read once per tensor)."""
+    if cu.dtype.is_floating_point or cu.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D integer tensor, got a {cu.dim()}-D {cu.dtype} tensor")
+    return per_tensor(cu, "cu_seqlens", lambda: [int(x) for x in cu.tolist()])
 
 
 def _docs_from_position_ids(pos: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -279,14 +291,15 @@ def _check_cp_layers(module: Any) -> None:
 # The keyword arguments the backend reads (honours or refuses by value) ...
 _READ_KWARGS = frozenset({
     "is_causal", "sliding_window", "softcap", "s_aux", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-    "max_length_q", "max_length_k", "magi_key", "magi_documents", "indices", "output_attentions",
+    "magi_key", "magi_documents", "indices", "output_attentions",
 })
 # ... and those HF passes through every layer that do not change the attention's result (cache
-# and output bookkeeping, loss arguments, a FlashAttention dropout flag with no dropout here).
+# and output bookkeeping, loss arguments, a FlashAttention dropout flag with no dropout here, the
+# longest document of cu_seq_lens_*: a launch hint for FlashAttention).
 _INERT_KWARGS = frozenset({
     "use_cache", "cache_position", "past_key_value", "past_key_values", "position_embeddings",
     "output_hidden_states", "output_router_logits", "return_dict", "deterministic", "num_items_in_batch",
-    "logits_to_keep",
+    "logits_to_keep", "max_length_q", "max_length_k",
 })
 _allowed_kwargs: set[str] = set()
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from magi_solver import gc_paused
+from magi_solver import AttnRange, gc_paused
 
 from .host_cache import per_tensor
 
@@ -33,7 +33,7 @@ def _as_range_tensor(x: Any, name: str) -> torch.Tensor:
         if hasattr(x, "to_list"):  # magi_solver.AttnRanges
             x = x.to_list()
         # no dtype given: float entries give a float tensor (rejected below), never truncated ints
-        rows = [(r.start, r.end) if hasattr(r, "start") and hasattr(r, "end") else tuple(r) for r in x]  # AttnRange
+        rows = [r.to_tuple() if isinstance(r, AttnRange) else tuple(r) for r in x]
         t = torch.tensor(rows) if rows else torch.empty(0, 2, dtype=torch.int32)
     _check_has_values(t, name)
     if t.dim() != 2 or t.shape[1] != 2:
