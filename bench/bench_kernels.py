@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 
@@ -90,9 +89,7 @@ def run(args, on_row=lambda rows: None):
 
     Per row: every implementation (ours, our Triton kernels as an A/B, Flex, cuDNN) is set up and
     run once (compiles, caches), then all are timed in ``args.rounds`` interleaved rounds."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
 
     # the timing loop calls backward with retain_graph=True, which a compiled backward with
     # donated buffers refuses (it did at 32k after the shapes changed)
@@ -103,122 +100,130 @@ def run(args, on_row=lambda rows: None):
     # torch's replacement of the deprecated create_block_mask(_compile=True): the eager path
     # materialises S x S intermediates (OOM at 32k on the varlen masks)
     compiled_block_mask = torch.compile(create_block_mask)
-    dev = torch.device("cuda")
-    hq, hk, d = args.heads_q, args.heads_kv, args.head_dim
     rows = []
     for S in args.seqlens:
         for mask in args.masks:
-            slices = make_mask(mask, S, window=args.window, block=args.block, seed=0)
-            area = sum(s.area for s in slices)
-            fl_f = 4 * area * hq * d
-            qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in slice_ranges(slices))  # CPU: no sync
-            torch.manual_seed(0)
-            q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-            k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-            v = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-            g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
-            res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S, "rounds": args.rounds}
-
-            def ours(config: KernelConfig | None = None):
-                return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False,
-                                            kernel_config=config)[0]
-
-            o = ours()
-            fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
-            # A/B: the Triton kernels in the same process, where the Gluon ones run by default
-            plan = plan_attention(qr, kr, tm, S, S, (hq, hk), d, q.dtype, device=dev)
-            res["plan"] = str(plan)
-            triton_only = dataclasses.replace(default_kernel_config(), gluon_fwd=False, gluon_bwd=False)
-            if args.triton_ab and plan.forward.kernel == "gluon":
-                fns["magi_triton_fwd"] = lambda: ours(triton_only)
-            if args.triton_ab and plan.backward.kernel == "gluon":
-                o_t = ours(triton_only)
-                fns["magi_triton_bwd"] = lambda: torch.autograd.grad(o_t, (q, k, v), g, retain_graph=True)
-            for fn in fns.values():
-                fn()
-            res.update(metadata_ms(q, k, v, qr, kr, tm))
-
-            qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
-            gf = g.transpose(0, 1).unsqueeze(0)
-            bm = None
-            if not args.no_peers and {"flex", "fa4flex"} & set(args.peers):
-                try:
-                    # each row's mask is a new function to Dynamo: without a reset the ninth row passes
-                    # its recompile limit and Flex silently runs unfused (OOM at 32k)
-                    torch._dynamo.reset()
-                    if mask == "full":
-                        bm = None
-                    elif mask == "causal":
-                        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
-                    else:
-                        ivals = row_intervals(slices, S, dev)
-                        if len(ivals) == 1:
-                            (lo, hi), = ivals
-
-                            def mask_fn(b, h, qi, ki):
-                                return (ki >= lo[qi]) & (ki < hi[qi])
-                        else:  # shared_prefix: the prefix and the row's own document
-                            (lo, hi), (lo2, hi2) = ivals
-
-                            def mask_fn(b, h, qi, ki):
-                                return ((ki >= lo[qi]) & (ki < hi[qi])) | ((ki >= lo2[qi]) & (ki < hi2[qi]))
-                        bm = compiled_block_mask(mask_fn, None, None, S, S, device=dev)
-
-                    def fx():
-                        return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
-
-                    if "flex" in args.peers:
-                        add_peer(fns, res, "flex", fx, (qf, kf, vf), gf, o, heads_first=True)
-                except Exception as e:  # noqa: BLE001 - report and continue
-                    res["flex_error"] = repr(e)[:200]
-                    fns.pop("flex_fwd", None), fns.pop("flex_bwd", None)
-            if not args.no_peers and {"fa4", "fa4flex"} & set(args.peers):
-                if (why := fa4_missing()) is not None:
-                    res["fa4_error"] = why
-                if why is None and "fa4" in args.peers:
-                    qa, ka, va = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                    try:
-                        if (fa4_fwd := fa4_native(mask, slices, qa, ka, va, args.window)) is not None:
-                            add_peer(fns, res, "fa4", fa4_fwd, (qa, ka, va), g, o)
-                    except Exception as e:  # noqa: BLE001
-                        res["fa4_error"] = repr(e)[:300]
-                        fns.pop("fa4_fwd", None), fns.pop("fa4_bwd", None)
-                if why is None and "fa4flex" in args.peers and (bm is not None or mask == "full"):
-                    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (qf, kf, vf))
-                    try:
-                        add_peer(fns, res, "fa4flex", fa4_through_flex(flex, qb, kb, vb, bm), (qb, kb, vb), gf, o,
-                                 heads_first=True)
-                    except Exception as e:  # noqa: BLE001
-                        res["fa4flex_error"] = repr(e)[:300]
-                        fns.pop("fa4flex_fwd", None), fns.pop("fa4flex_bwd", None)
-            if not args.no_peers and "cudnn" in args.peers:
-                if mask in ("full", "causal"):
-                    kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
-                    try:
-                        def cd():
-                            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                                return F.scaled_dot_product_attention(qf, kr_, vr_, is_causal=mask == "causal")
-
-                        oc = cd()
-                        fns["cudnn_fwd"] = cd
-                        fns["cudnn_bwd"] = lambda: torch.autograd.grad(oc, (qf, kr_, vr_), gf, retain_graph=True)
-                        fns["cudnn_bwd"]()
-                    except Exception as e:  # noqa: BLE001
-                        res["cudnn_error"] = repr(e)[:200]
-                        fns.pop("cudnn_fwd", None), fns.pop("cudnn_bwd", None)
-            res["timing_windows"] = {}  # wall-clock spans per implementation: bench/gpu_clocks.py
-            res["round_ms"] = {}  # every round's ms per implementation (the median's spread)
-            for name, ms in interleaved_times(fns, args.rounds, args.rep_ms, windows=res["timing_windows"],
-                                              samples=res["round_ms"]).items():
-                res[f"{name}_ms"] = ms
-                res[f"{name}_tflops"] = (2.5 if name.endswith("bwd") else 1.0) * fl_f / ms / 1e9
-            rows.append(res)
+            rows.append(time_row(args, S, mask, flex, compiled_block_mask))
             on_row(rows)
-            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()
-                              if k not in ("timing_windows", "round_ms")}), flush=True)
-            del q, k, v, g, qf, kf, vf, fns
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the row's tensors are gone with time_row's frame
     return rows
+
+
+def time_row(args, S: int, mask: str, flex, compiled_block_mask) -> dict:
+    """Set up magi and every peer of ``args.peers`` on one (seqlen, mask), check the peers' outputs and
+    gradients against magi's, and time all of them in ``args.rounds`` interleaved rounds (one result row)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dev = torch.device("cuda")
+    hq, hk, d = args.heads_q, args.heads_kv, args.head_dim
+    slices = make_mask(mask, S, window=args.window, block=args.block, seed=0)
+    area = sum(s.area for s in slices)
+    fl_f = 4 * area * hq * d
+    qr, kr, tm = (torch.tensor(x, dtype=torch.int32) for x in slice_ranges(slices))  # CPU: no sync
+    torch.manual_seed(0)
+    q = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
+    res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S, "rounds": args.rounds}
+
+    def ours(config: KernelConfig | None = None):
+        return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False,
+                                    kernel_config=config)[0]
+
+    o = ours()
+    fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
+    # A/B: the Triton kernels in the same process, where the Gluon ones run by default
+    plan = plan_attention(qr, kr, tm, S, S, (hq, hk), d, q.dtype, device=dev)
+    res["plan"] = str(plan)
+    triton_only = dataclasses.replace(default_kernel_config(), gluon_fwd=False, gluon_bwd=False)
+    if args.triton_ab and plan.forward.kernel == "gluon":
+        fns["magi_triton_fwd"] = lambda: ours(triton_only)
+    if args.triton_ab and plan.backward.kernel == "gluon":
+        o_t = ours(triton_only)
+        fns["magi_triton_bwd"] = lambda: torch.autograd.grad(o_t, (q, k, v), g, retain_graph=True)
+    for fn in fns.values():
+        fn()
+    res.update(metadata_ms(q, k, v, qr, kr, tm))
+
+    qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
+    gf = g.transpose(0, 1).unsqueeze(0)
+    bm = None
+    if not args.no_peers and {"flex", "fa4flex"} & set(args.peers):
+        try:
+            # each row's mask is a new function to Dynamo: without a reset the ninth row passes
+            # its recompile limit and Flex silently runs unfused (OOM at 32k)
+            torch._dynamo.reset()
+            if mask == "full":
+                bm = None
+            elif mask == "causal":
+                bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device=dev)
+            else:
+                ivals = row_intervals(slices, S, dev)
+                if len(ivals) == 1:
+                    (lo, hi), = ivals
+
+                    def mask_fn(b, h, qi, ki):
+                        return (ki >= lo[qi]) & (ki < hi[qi])
+                else:  # shared_prefix: the prefix and the row's own document
+                    (lo, hi), (lo2, hi2) = ivals
+
+                    def mask_fn(b, h, qi, ki):
+                        return ((ki >= lo[qi]) & (ki < hi[qi])) | ((ki >= lo2[qi]) & (ki < hi2[qi]))
+                bm = compiled_block_mask(mask_fn, None, None, S, S, device=dev)
+
+            def fx():
+                return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
+
+            if "flex" in args.peers:
+                add_peer(fns, res, "flex", fx, (qf, kf, vf), gf, o, heads_first=True)
+        except Exception as e:  # noqa: BLE001 - report and continue
+            res["flex_error"] = repr(e)[:200]
+            fns.pop("flex_fwd", None), fns.pop("flex_bwd", None)
+    if not args.no_peers and {"fa4", "fa4flex"} & set(args.peers):
+        if (why := fa4_missing()) is not None:
+            res["fa4_error"] = why
+        if why is None and "fa4" in args.peers:
+            qa, ka, va = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            try:
+                if (fa4_fwd := fa4_native(mask, slices, qa, ka, va, args.window)) is not None:
+                    add_peer(fns, res, "fa4", fa4_fwd, (qa, ka, va), g, o)
+            except Exception as e:  # noqa: BLE001
+                res["fa4_error"] = repr(e)[:300]
+                fns.pop("fa4_fwd", None), fns.pop("fa4_bwd", None)
+        if why is None and "fa4flex" in args.peers and (bm is not None or mask == "full"):
+            qb, kb, vb = (t.detach().clone().requires_grad_() for t in (qf, kf, vf))
+            try:
+                add_peer(fns, res, "fa4flex", fa4_through_flex(flex, qb, kb, vb, bm), (qb, kb, vb), gf, o,
+                         heads_first=True)
+            except Exception as e:  # noqa: BLE001
+                res["fa4flex_error"] = repr(e)[:300]
+                fns.pop("fa4flex_fwd", None), fns.pop("fa4flex_bwd", None)
+    if not args.no_peers and "cudnn" in args.peers:
+        if mask in ("full", "causal"):
+            kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
+            try:
+                def cd():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(qf, kr_, vr_, is_causal=mask == "causal")
+
+                oc = cd()
+                fns["cudnn_fwd"] = cd
+                fns["cudnn_bwd"] = lambda: torch.autograd.grad(oc, (qf, kr_, vr_), gf, retain_graph=True)
+                fns["cudnn_bwd"]()
+            except Exception as e:  # noqa: BLE001
+                res["cudnn_error"] = repr(e)[:200]
+                fns.pop("cudnn_fwd", None), fns.pop("cudnn_bwd", None)
+    res["timing_windows"] = {}  # wall-clock spans per implementation: bench/gpu_clocks.py
+    res["round_ms"] = {}  # every round's ms per implementation (the median's spread)
+    for name, ms in interleaved_times(fns, args.rounds, args.rep_ms, windows=res["timing_windows"],
+                                      samples=res["round_ms"]).items():
+        res[f"{name}_ms"] = ms
+        res[f"{name}_tflops"] = (2.5 if name.endswith("bwd") else 1.0) * fl_f / ms / 1e9
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()
+                      if k not in ("timing_windows", "round_ms")}), flush=True)
+    return res
 
 
 def add_peer(fns: dict, res: dict, name: str, fwd, inputs: tuple, grad_out, magi_out, heads_first: bool = False):
@@ -258,7 +263,7 @@ def metadata_ms(q, k, v, qr, kr, tm) -> dict[str, float]:
     def build_new() -> float:
         clear_caches()  # a mask not seen before (the next calls rebuild this one's plan once)
         t = time.perf_counter()
-        plan_attention(qr.clone(), kr.clone(), tm.clone(), *shape, device=q.device).forward
+        _ = plan_attention(qr.clone(), kr.clone(), tm.clone(), *shape, device=q.device).forward  # builds it
         return (time.perf_counter() - t) * 1e3
 
     build = build_new()
