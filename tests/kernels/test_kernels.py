@@ -427,6 +427,14 @@ def test_sink_and_value_head_dim_errors():
         flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=torch.full((4,), float("nan")))
     with pytest.raises(TypeError, match="sink must be a float tensor"):
         flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=torch.zeros(4, dtype=torch.int64))
+    # the finiteness check runs once per content of the sink: a NaN written in place after a
+    # passing call (an optimizer step that diverged) is still refused
+    sink = torch.nn.Parameter(torch.zeros(4))
+    flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=sink)
+    with torch.no_grad():
+        sink[2] = float("inf")
+    with pytest.raises(ValueError, match="sink holds a NaN or an infinite"):
+        flex_flash_attn_func(q, k, v, r, r, backend="torch", sink=sink)
     with pytest.raises(ValueError, match="q and k must share it"):
         flex_flash_attn_func(q, k[..., :8], v, r, r, backend="torch")
     with pytest.raises(ValueError, match=r"k and v must have the same \[tokens, heads_kv\]"):
