@@ -248,7 +248,8 @@ def test_backward_launch_table_of_pieces_is_head_major_at_8k_causal():
 
 def test_auto_pieces_split_staircase_launches_of_unequal_tiles():
     """``auto_piece_heads``: unequal tiles of a mostly causal launch run as pieces of the GQA
-    group split in its smallest factor; unequal tiles of full slices (packed documents), equal
+    group split in its smallest factor, as do tiles of any slices whose costs vary very much (a
+    shared prefix); unequal tiles of full slices (packed documents), equal
     tiles (full, sliding window), MHA and a single tile stay whole programs; the backend's
     staircase share counts causal / inv_causal area; ``_order_table("auto")`` follows it."""
 
@@ -262,6 +263,12 @@ def test_auto_pieces_split_staircase_launches_of_unequal_tiles():
     assert po.auto_piece_heads(causal, 6, 0.4) == 0  # unequal, but mostly full slices
     assert po.auto_piece_heads(window, 6, 1.0) == 0 and po.auto_piece_heads(full, 6, 1.0) == 0
     assert po.auto_piece_heads(causal[:1], 6, 1.0) == 0
+    # a shared prefix: 32 tiles of the prefix seen by every row, 96 short document tiles (cv 1.3);
+    # mostly full slices, yet pieces
+    prefix = po.tile_costs([16384 - 64 * j for j in range(32)] + [400 + 30 * (j % 9) for j in range(96)], 64)
+    assert po.auto_piece_heads(prefix, 6, 0.3) == 3
+    docs = po.tile_costs([4096, 2048, 1024, 512] * 16, 64)  # packed full documents: cv 0.7, whole programs
+    assert po.auto_piece_heads(docs, 6, 0.0) == 0
     assert tb.staircase_share(((0, 100, 0, 100, 1), (100, 200, 100, 200, 0))) == pytest.approx(5050 / 15050)
     assert tb.staircase_share(((0, 100, 0, 100, 2), (0, 100, 0, 100, 3))) == pytest.approx(5050 / 5150)
     assert tb.staircase_share(()) == 0.0

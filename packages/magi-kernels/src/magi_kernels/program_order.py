@@ -46,8 +46,13 @@ PIECE_OVERHEAD_BLOCKS = 1.5
 # window 0.06-0.20, full 0 at 8k-32k, bench masks) ...
 PIECES_MIN_CV = 0.3
 # ... and at least this share of its area lies in staircase slices (causal / inv_causal), whose
-# neighbouring key tiles see different numbers of query rows
+# neighbouring key tiles see different numbers of query rows ...
 PIECES_MIN_STAIRCASE = 0.5
+# ... or, whatever its slice types, its tile costs vary more than this: a few tiles far longer
+# than the rest (a prefix every document attends to: cv 1.2-1.3 on the bench's shared_prefix,
+# 8k-32k; packed full or block-causal documents stay at 0.4-0.7). H100, 16k shared_prefix
+# backward: 315 TFLOP/s as whole programs, 437 / 454 / 477 as pieces of 3 / 2 / 1 query heads
+PIECES_MIN_CV_ANY_SLICES = 1.0
 # a simulated tail this close to longest-first's is not worth giving up L2 locality for (H200:
 # at 8k varlen causal a band of 4, 4 % behind in the model, measured 318 TFLOP/s, tile-major 297)
 TOLERANCE = 0.05
@@ -225,7 +230,8 @@ def head_chunk_pieces(n_tiles: int, n_heads: int, group: int, heads: int, band: 
 
 
 def auto_piece_heads(costs: Sequence[float], group: int, staircase_share: float, min_cv: float = PIECES_MIN_CV,
-                     min_staircase: float = PIECES_MIN_STAIRCASE) -> int:
+                     min_staircase: float = PIECES_MIN_STAIRCASE,
+                     min_cv_any: float = PIECES_MIN_CV_ANY_SLICES) -> int:
     """Query heads per piece for a launch whose key tiles cost ``costs`` (0: whole programs),
     ``staircase_share`` of whose mask area is in causal / inv_causal slices.
 
@@ -240,12 +246,14 @@ def auto_piece_heads(costs: Sequence[float], group: int, staircase_share: float,
     * packed full documents and block-causal documents (full slices: every tile of a document
       walks its heads in step; the tiles differ only between documents, whose rows are few and
       disjoint): x0.94-1.00, so they stay whole programs, as do equal tiles (full, sliding
-      window), which pay a piece's fixed cost for nothing."""
-    if group < 2 or len(costs) < 2 or staircase_share < min_staircase:
+      window), which pay a piece's fixed cost for nothing;
+    * a shared prefix (full slices onto the prefix, causal documents; cv above ``min_cv_any``:
+      the prefix's tiles see every row, the documents' tiles a few): x1.39 at 16k."""
+    if group < 2 or len(costs) < 2:
         return 0
     mean = sum(costs) / len(costs)
     cv = (sum((c - mean) ** 2 for c in costs) / len(costs)) ** 0.5 / mean if mean > 0 else 0.0
-    if cv <= min_cv:
+    if not (cv > min_cv_any or (staircase_share >= min_staircase and cv > min_cv)):
         return 0
     factor = next(f for f in range(2, group + 1) if group % f == 0)
     return group // factor
