@@ -215,13 +215,18 @@ if AVAILABLE:
             tl.store(mptr, tl.maximum(old_m, m_i * 0.6931471805599453), mask=rmask)
 
     @triton.jit
-    def _bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, n_rows, HQ, T, D: tl.constexpr, BR: tl.constexpr):
+    def _bwd_preprocess_kernel(O, DO, LSE, DLSE, DELTA, LSE2, DQ, n_rows, HQ, T, D: tl.constexpr, BR: tl.constexpr,
+                               ZERO_DQ: tl.constexpr):
         """Per (token, head) row: delta = rowsum(dO * O) - dLSE and the lse in base 2, written
-        head-major ([HQ, T]) so the backward kernels read them contiguously."""
+        head-major ([HQ, T]) so the backward kernels read them contiguously. ``ZERO_DQ``: also
+        zero the row of the fp32 dQ accumulator DQ ([T, HQ, D], the rows of O), which the
+        backward then adds into (one launch and pass less than a separate fill)."""
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = r < n_rows
         r64 = r.to(tl.int64)
         x = tl.arange(0, D)
+        if ZERO_DQ:
+            tl.store(DQ + r64[:, None] * D + x[None, :], tl.zeros([BR, D], tl.float32), mask=rm[:, None])
         o = tl.load(O + r64[:, None] * D + x[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
         do = tl.load(DO + r64[:, None] * D + x[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
         dl = tl.load(DLSE + r64, mask=rm, other=0.0)
@@ -509,17 +514,21 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     dev = q.device
     delta = torch.empty(hq, tq, dtype=torch.float32, device=dev)
     lse2 = torch.empty(hq, tq, dtype=torch.float32, device=dev)
+    # the fp32 dQ accumulator: zeroed by the preprocess wherever the kernels add into it (the
+    # Gluon backward and the Triton dK/dV programs' atomics or TMA adds), and wherever the
+    # Triton dQ programs leave rows unwritten; left as is where those write every row
+    dq = torch.empty(tq, hq, d, dtype=torch.float32, device=dev)
+    zero_dq = bp.kernel == "gluon" or bp.dq_mode != "split" or not bp.q_covered
     rows = tq * hq
     if rows:
         _bwd_preprocess_kernel[(triton.cdiv(rows, 64),)](
-            out, do, lse.float().contiguous(), dlse.float().contiguous(), delta, lse2, rows, hq, tq,
-            D=d, BR=64, num_warps=4)
+            out, do, lse.float().contiguous(), dlse.float().contiguous(), delta, lse2, dq, rows, hq, tq,
+            D=d, BR=64, ZERO_DQ=zero_dq, num_warps=4)
     qk_scale, cap_in, cap_out = _scale_args(softmax_scale, softcap)
     if bp.kernel == "gluon":  # one pass: dK/dV programs that also reduce-add dQ
         q, k, v, do = _aligned(q), _aligned(k), _aligned(v), _aligned(do)
         dk = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
         dv = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
-        dq = torch.zeros(tq, hq, d, dtype=torch.float32, device=dev)
         for li, (layer, order, piece_tma) in enumerate(zip(bp.kv_layers, bp.orders, bp.piece_tma)):
             gluon_bwd.launch(q, k, v, do, dq, dk, dv, lse2, delta, bp.kv_meta, layer, order, piece_tma, bp.tiles,
                              bp.rotate, softmax_scale, qk_scale, cap_in, cap_out, softcap, li > 0)
@@ -530,7 +539,6 @@ def ffa_backward(do, q, k, v, out, lse, dlse, q_ranges, k_ranges, attn_type_map,
     kv_meta, q_meta = bp.kv_meta, bp.q_meta
     dk = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
     dv = _alloc((tk, hk, d), torch.float32, dev, bp.kv_covered, 0.0)
-    dq = _alloc((tq, hq, d), torch.float32, dev, bp.q_covered and dq_mode == "split", 0.0)  # atomics add into zeros
     dqd = _descriptor(dq, BM1, dq_mode == "tma")
     none = torch.empty(0, dtype=torch.int32, device=dev)
 
