@@ -297,9 +297,10 @@ def plot(rows, path, title):
             ax.set_title(f"{pas}, {S // 1024}k tokens")
             ax.set_ylabel("TFLOP/s (unmasked area)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=9)  # one legend: none covers a bar
-    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    # one legend, under the title line: none covers a bar or the title
+    fig.legend(handles, labels, loc="upper right", bbox_to_anchor=(0.99, 0.96), ncol=len(labels), fontsize=9)
+    fig.suptitle(title, fontsize=10, x=0.02, y=0.99, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.91))
     fig.savefig(path, dpi=110)
 
 

@@ -182,7 +182,8 @@ class KernelConfig:
             heads (``program_order.split_tail``).
         bwd_piece_heads: query heads per piece when every Gluon backward program runs as pieces
             (0: whole programs; None: pieces where the key tiles of causal slices differ in
-            length, ``program_order.auto_piece_heads``). Must divide the GQA group.
+            length, or any tiles differ very much, ``program_order.auto_piece_heads``). Must
+            divide the GQA group.
         bwd_piece_add: how pieces add their dK/dV: ``"atomic"``, ``"tma"`` (needs
             ``block_n == 2 * block_m``), ``"auto"`` (TMA when every program runs as pieces).
         bwd_order: launch order of the Gluon backward's programs: ``"head"``, ``"tile"``, a

@@ -52,6 +52,7 @@ PIECES_MIN_STAIRCASE = 0.5
 # than the rest (a prefix every document attends to: cv 1.2-1.3 on the bench's shared_prefix,
 # 8k-32k; packed full or block-causal documents stay at 0.4-0.7). H100, 16k shared_prefix
 # backward: 315 TFLOP/s as whole programs, 437 / 454 / 477 as pieces of 3 / 2 / 1 query heads
+# (bench/sweep_tiles.py), so these run as pieces of one query head
 PIECES_MIN_CV_ANY_SLICES = 1.0
 # a simulated tail this close to longest-first's is not worth giving up L2 locality for (H200:
 # at 8k varlen causal a band of 4, 4 % behind in the model, measured 318 TFLOP/s, tile-major 297)
@@ -248,12 +249,15 @@ def auto_piece_heads(costs: Sequence[float], group: int, staircase_share: float,
       disjoint): x0.94-1.00, so they stay whole programs, as do equal tiles (full, sliding
       window), which pay a piece's fixed cost for nothing;
     * a shared prefix (full slices onto the prefix, causal documents; cv above ``min_cv_any``:
-      the prefix's tiles see every row, the documents' tiles a few): x1.39 at 16k."""
+      the prefix's tiles see every row, the documents' tiles a few): x1.39 / 1.44 / 1.51 at 16k
+      with pieces of 3 / 2 / 1 query heads, so such launches run as pieces of one head."""
     if group < 2 or len(costs) < 2:
         return 0
     mean = sum(costs) / len(costs)
     cv = (sum((c - mean) ** 2 for c in costs) / len(costs)) ** 0.5 / mean if mean > 0 else 0.0
-    if not (cv > min_cv_any or (staircase_share >= min_staircase and cv > min_cv)):
+    if cv > min_cv_any:  # one query head per piece: measured fastest there (above)
+        return 1
+    if staircase_share < min_staircase or cv <= min_cv:
         return 0
     factor = next(f for f in range(2, group + 1) if group % f == 0)
     return group // factor
