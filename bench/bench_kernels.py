@@ -48,6 +48,18 @@ def row_intervals(slices, S, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(lo.to(device), hi.to(device)) for lo, hi in ivals]
 
 
+def softcap_score_mod(cap: float):
+    """FlexAttention's ``score_mod`` for a tanh softcap of the scaled logits (magi's and FA4's
+    ``softcap``: ``cap * tanh(s / cap)``), or None for no cap."""
+    if not cap:
+        return None
+
+    def score_mod(score, b, h, qi, ki):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
 def bench(fn, reps_ms=200):
     import triton.testing
 
@@ -126,11 +138,13 @@ def time_row(args, S: int, mask: str, flex, compiled_block_mask) -> dict:
     k = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(S, hk, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(S, hq, d, device=dev, dtype=torch.bfloat16)
+    # a learnable sink per query head (GPT-OSS), fp32 like the models' parameter
+    sink = torch.randn(hq, device=dev, dtype=torch.float32, requires_grad=True) if args.sink else None
     res = {"seqlen": S, "mask": mask, "area": area, "density": area / S / S, "rounds": args.rounds}
 
     def ours(config: KernelConfig | None = None):
         return flex_flash_attn_func(q, k, v, qr, kr, tm, backend="triton", check_ranges=False,
-                                    kernel_config=config)[0]
+                                    kernel_config=config, softcap=args.softcap, sink=sink)[0]
 
     o = ours()
     fns = {"magi_fwd": ours, "magi_bwd": lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True)}
@@ -150,7 +164,10 @@ def time_row(args, S: int, mask: str, flex, compiled_block_mask) -> dict:
     qf, kf, vf = (t.detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
     gf = g.transpose(0, 1).unsqueeze(0)
     bm = None
-    if not args.no_peers and {"flex", "fa4flex"} & set(args.peers):
+    score_mod = softcap_score_mod(args.softcap)
+    if not args.no_peers and sink is not None and {"flex", "fa4flex"} & set(args.peers):
+        res["flex_error"] = res["fa4flex_error"] = "FlexAttention has no attention sink"
+    elif not args.no_peers and {"flex", "fa4flex"} & set(args.peers):
         try:
             # each row's mask is a new function to Dynamo: without a reset the ninth row passes
             # its recompile limit and Flex silently runs unfused (OOM at 32k)
@@ -174,7 +191,7 @@ def time_row(args, S: int, mask: str, flex, compiled_block_mask) -> dict:
                 bm = compiled_block_mask(mask_fn, None, None, S, S, device=dev)
 
             def fx():
-                return flex(qf, kf, vf, block_mask=bm, enable_gqa=True)
+                return flex(qf, kf, vf, score_mod=score_mod, block_mask=bm, enable_gqa=True)
 
             if "flex" in args.peers:
                 add_peer(fns, res, "flex", fx, (qf, kf, vf), gf, o, heads_first=True)
@@ -186,22 +203,25 @@ def time_row(args, S: int, mask: str, flex, compiled_block_mask) -> dict:
             res["fa4_error"] = why
         if why is None and "fa4" in args.peers:
             qa, ka, va = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            sink_a = None if sink is None else sink.detach().clone().requires_grad_()
             try:
-                if (fa4_fwd := fa4_native(mask, slices, qa, ka, va, args.window)) is not None:
+                if (fa4_fwd := fa4_native(mask, slices, qa, ka, va, args.window, args.softcap, sink_a)) is not None:
                     add_peer(fns, res, "fa4", fa4_fwd, (qa, ka, va), g, o)
             except Exception as e:  # noqa: BLE001
                 res["fa4_error"] = repr(e)[:300]
                 fns.pop("fa4_fwd", None), fns.pop("fa4_bwd", None)
-        if why is None and "fa4flex" in args.peers and (bm is not None or mask == "full"):
+        if why is None and "fa4flex" in args.peers and sink is None and (bm is not None or mask == "full"):
             qb, kb, vb = (t.detach().clone().requires_grad_() for t in (qf, kf, vf))
             try:
-                add_peer(fns, res, "fa4flex", fa4_through_flex(flex, qb, kb, vb, bm), (qb, kb, vb), gf, o,
+                add_peer(fns, res, "fa4flex", fa4_through_flex(flex, qb, kb, vb, bm, score_mod), (qb, kb, vb), gf, o,
                          heads_first=True)
             except Exception as e:  # noqa: BLE001
                 res["fa4flex_error"] = repr(e)[:300]
                 fns.pop("fa4flex_fwd", None), fns.pop("fa4flex_bwd", None)
     if not args.no_peers and "cudnn" in args.peers:
-        if mask in ("full", "causal"):
+        if args.softcap or sink is not None:
+            res["cudnn_error"] = "cuDNN SDPA has no softcap or attention sink"
+        elif mask in ("full", "causal"):
             kr_, vr_ = (t.repeat_interleave(hq // hk, dim=1).detach().requires_grad_() for t in (kf, vf))
             try:
                 def cd():
@@ -313,6 +333,10 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--softcap", type=float, default=0.0, help="tanh softcap of the logits (0: none), on every peer "
+                   "that has one (Flex through score_mod, FA4); cuDNN is skipped")
+    p.add_argument("--sink", action="store_true", help="a learnable sink logit per query head (GPT-OSS): magi and "
+                   "FA4's own API; Flex and cuDNN have none and are skipped")
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--plot", default=None)
     p.add_argument("--no-peers", action="store_true", help="only time magi (tuning runs)")
@@ -342,8 +366,9 @@ def main():
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     cfg = meta.get("config", {})
     if args.plot:
+        extras = (f" softcap={cfg['softcap']:g}" if cfg.get("softcap") else "") + (" sink" if cfg.get("sink") else "")
         plot(rows, args.plot, f"{meta['device']}, b=1 hq={cfg.get('heads_q')} hk={cfg.get('heads_kv')} "
-                              f"d={cfg.get('head_dim')} bf16")
+                              f"d={cfg.get('head_dim')} bf16{extras}")
     print(markdown_table(rows))
 
 

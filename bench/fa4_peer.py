@@ -36,14 +36,16 @@ def document_bounds(slices) -> list[int]:
     return [0] + ends
 
 
-def fa4_native(mask: str, slices, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int) -> Callable[[], torch.Tensor] | None:
+def fa4_native(mask: str, slices, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+               softcap: float = 0.0, sink: torch.Tensor | None = None) -> Callable[[], torch.Tensor] | None:
     """A callable returning FA4's output ``[S, hq, d]`` for ``mask`` through its own API, or None
-    when FA4 has no native form of the mask. ``q, k, v``: ``[S, h, d]`` leaf tensors."""
+    when FA4 has no native form of the mask. ``q, k, v``: ``[S, h, d]`` leaf tensors; ``softcap``
+    (tanh cap of the scaled logits) and ``sink`` (fp32 ``[hq]`` learnable sink logits) as magi's."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
+    common = {"softcap": softcap, "learnable_sink": sink}
     if mask in ("full", "causal", "sliding_window"):
-        kw = {"causal": mask == "causal"}
+        kw = {"causal": mask == "causal", **common}
         if mask == "sliding_window":  # make_mask: `window` keys per query, itself included
             kw["window_size"] = (window - 1, 0)
         return lambda: flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **kw)[0][0]
@@ -52,11 +54,14 @@ def fa4_native(mask: str, slices, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         cu = torch.tensor(cu_list, dtype=torch.int32, device=q.device)
         longest = max(b - a for a, b in zip(cu_list, cu_list[1:]))
         return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                              max_seqlen_k=longest, causal=mask == "varlen_causal")[0]
+                                              max_seqlen_k=longest, causal=mask == "varlen_causal", **common)[0]
     return None
 
 
-def fa4_through_flex(flex, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, block_mask) -> Callable:
+def fa4_through_flex(flex, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, block_mask,
+                     score_mod=None) -> Callable:
     """FlexAttention's FLASH backend (FA4 kernels with mask_mod and block sparsity) on the same
-    compiled flex_attention and block mask as the Triton Flex peer; ``qf, kf, vf`` ``[1, h, S, d]``."""
-    return lambda: flex(qf, kf, vf, block_mask=block_mask, enable_gqa=True, kernel_options={"BACKEND": "FLASH"})
+    compiled flex_attention, block mask and score_mod (softcap) as the Triton Flex peer;
+    ``qf, kf, vf`` ``[1, h, S, d]``."""
+    return lambda: flex(qf, kf, vf, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
+                        kernel_options={"BACKEND": "FLASH"})

@@ -224,3 +224,26 @@ def test_ab_summary_verdicts_follow_the_adoption_rule():
     assert got["C"]["verdict"] == "keep off"
     assert got["D"]["verdict"] == "no target rows"
     assert ab.verdicts(summary, ("causal",), gain=0.02)[0]["verdict"] == "keep off"
+
+
+def test_flex_softcap_peer_computes_magis_softcap():
+    """The Flex / FA4-through-Flex peers' softcap (``softcap_score_mod``) is magi's: the same tanh
+    cap of the scaled logits (flex_attention's forward on the CPU against the torch backend, fp64)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from magi_kernels import flex_flash_attn_func
+
+    bench_kernels = bench_module("bench_kernels")
+    assert bench_kernels.softcap_score_mod(0.0) is None
+    torch.manual_seed(0)
+    S, hq, hk, d, cap = 64, 4, 2, 16, 2.0
+    q, k, v = (torch.randn(S, h, d, dtype=torch.float64) * 2 for h in (hq, hk, hk))
+    ours = flex_flash_attn_func(q, k, v, [(0, S)], [(0, S)], [1], backend="torch", softcap=cap)[0]
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cpu")
+    qf, kf, vf = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    theirs = flex_attention(qf, kf, vf, score_mod=bench_kernels.softcap_score_mod(cap), block_mask=bm,
+                            enable_gqa=True)[0].transpose(0, 1)
+    uncapped = flex_attention(qf, kf, vf, block_mask=bm, enable_gqa=True)[0].transpose(0, 1)
+    assert (uncapped - ours).abs().max() > 1e-2  # the cap matters at these logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-10, atol=1e-10)
