@@ -166,7 +166,7 @@ def time_row(args, S: int, mask: str, flex, compiled_block_mask) -> dict:
     bm = None
     score_mod = softcap_score_mod(args.softcap)
     if not args.no_peers and sink is not None and {"flex", "fa4flex"} & set(args.peers):
-        res["flex_error"] = res["fa4flex_error"] = "FlexAttention has no attention sink"
+        res.update({f"{p}_error": "FlexAttention has no attention sink" for p in ("flex", "fa4flex") if p in args.peers})
     elif not args.no_peers and {"flex", "fa4flex"} & set(args.peers):
         try:
             # each row's mask is a new function to Dynamo: without a reset the ninth row passes
